@@ -1,0 +1,180 @@
+"""`ConFuAssistant`: the object passed as `generate(assistant_model=...)`.
+
+Why the target's `generate` is wrapped: transformers' `generate(assistant_model=...)` verifies only
+chains, picks its candidate generator in a private if/elif with no registry, and the `custom_generate`
+callable form drops `assistant_model` and `streamer`. So attaching an assistant wraps `generate` on
+that target INSTANCE (transformers' own `custom_generate` loading does the same): calls with a
+`ConFuAssistant` run our tree loop, every other call goes to the original `generate` unchanged.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import os
+from typing import Any
+
+import torch
+from transformers import GenerationConfig, PreTrainedModel
+
+from .configuration_confu import ConFuDraftConfig
+from .generation import SpeculativeStats, TreeBudget, speculative_generate
+from .modeling_confu import ConFuDraftModel
+from .tree import TreeDrafter
+
+# generate() options that change the output in ways this loop does not reproduce, with neutral values.
+_UNSUPPORTED = {
+    "num_beams": (None, 1),
+    "num_return_sequences": (None, 1),
+    "repetition_penalty": (None, 1.0),
+    "no_repeat_ngram_size": (None, 0),
+    "bad_words_ids": (None,),
+    "sequence_bias": (None,),
+    "min_new_tokens": (None, 0),
+    "min_length": (None, 0),
+    "typical_p": (None, 1.0),
+    "epsilon_cutoff": (None, 0.0),
+    "eta_cutoff": (None, 0.0),
+    "top_h": (None,),
+    "return_dict_in_generate": (None, False),
+    "output_scores": (None, False),
+    "output_logits": (None, False),
+    "output_attentions": (None, False),
+    "output_hidden_states": (None, False),
+}
+_TREE_KWARGS = ("tree_depth", "tree_top_k", "tree_total_tokens")
+
+
+class ConFuAssistant:
+    """A draft head bound to a target model, usable as `target.generate(..., assistant_model=self)`.
+
+    Attributes:
+        draft: the `ConFuDraftModel`.
+        target: the target model it drafts for.
+        budget: the default tree budget (`depth`, `top_k`, `total_tokens`); a call can override it with
+            `tree_depth=`, `tree_top_k=`, `tree_total_tokens=`.
+        stats: `SpeculativeStats` of the last `generate` call.
+    """
+
+    def __init__(self, draft: ConFuDraftModel, target_model: PreTrainedModel, **tree: int) -> None:
+        draft.attach_target(target_model)
+        weight = target_model.get_input_embeddings().weight
+        self.draft = draft.to(device=weight.device, dtype=weight.dtype).eval().requires_grad_(False)
+        self.target = target_model
+        cfg = draft.config
+        self.budget = TreeBudget(
+            depth=tree.get("depth", cfg.tree_depth),
+            top_k=tree.get("top_k", cfg.tree_top_k),
+            total_tokens=tree.get("total_tokens", cfg.tree_total_tokens),
+        )
+        self.stats = SpeculativeStats()
+        _wrap_generate(target_model)
+
+    def __getattr__(self, name: str) -> Any:
+        # Only reached when transformers' own generate() inspects us: the model was not prepared.
+        raise AttributeError(
+            f"'ConFuAssistant' has no attribute {name!r}. If this came from `model.generate(...)`, that model's "
+            "generate() was not prepared for this assistant: create the assistant with "
+            "`ConFuAssistant.from_pretrained(..., target_model=model)` BEFORE evaluating `model.generate(...)`, "
+            "for the same model object."
+        )
+
+    @classmethod
+    def from_pretrained(
+        cls, path_or_id: str | os.PathLike, target_model: PreTrainedModel, **kwargs: Any
+    ) -> "ConFuAssistant":
+        """Load a draft (local folder or Hub id) for `target_model`; tree options go to the budget."""
+        tree = {k: kwargs.pop(k) for k in ("depth", "top_k", "total_tokens") if k in kwargs}
+        draft = ConFuDraftModel.from_pretrained(path_or_id, **kwargs)
+        return cls(draft, target_model, **tree)
+
+    @classmethod
+    def from_config(cls, config: ConFuDraftConfig, target_model: PreTrainedModel, **tree: int) -> "ConFuAssistant":
+        """A randomly initialised (untrained) draft for `target_model`."""
+        return cls(ConFuDraftModel(config), target_model, **tree)
+
+    def save_pretrained(self, path: str | os.PathLike, **kwargs: Any) -> None:
+        """Save the draft (config + safetensors), loadable with `from_pretrained`."""
+        self.draft.save_pretrained(path, **kwargs)
+
+    def generate(self, target: PreTrainedModel, input_ids: torch.LongTensor | None = None, **kwargs: Any):
+        """Run tree speculative decoding; called through `target.generate(assistant_model=self)`."""
+        if target is not self.target:
+            raise ValueError("This assistant is attached to another model: build one for this target.")
+        input_ids = kwargs.pop("inputs", input_ids)
+        if input_ids is None or input_ids.ndim != 2:
+            raise ValueError("Pass `input_ids` of shape (1, prompt_length).")
+        if input_ids.shape[0] != 1:
+            raise ValueError(f"ConFu speculative decoding supports batch size 1 only, got {input_ids.shape[0]}.")
+        if input_ids.shape[1] == 0:
+            raise ValueError("The prompt is empty: speculative decoding needs at least one prompt token.")
+        budget = TreeBudget(
+            depth=kwargs.pop("tree_depth", self.budget.depth),
+            top_k=kwargs.pop("tree_top_k", self.budget.top_k),
+            total_tokens=kwargs.pop("tree_total_tokens", self.budget.total_tokens),
+        )
+        if min(budget.depth, budget.top_k, budget.total_tokens) < 1:
+            raise ValueError(f"Tree budget values must be >= 1, got {budget}.")
+        _check_attention_mask(kwargs.pop("attention_mask", None))
+        tokenizer, streamer = kwargs.pop("tokenizer", None), kwargs.pop("streamer", None)
+        config = _generation_config(target, kwargs)
+        max_new = _max_new_tokens(config, input_ids.shape[1], budget, target)
+        self.stats = SpeculativeStats()
+        temperature = (config.temperature or 1.0) if config.do_sample else None
+        drafter = TreeDrafter(self.draft, budget.depth, budget.top_k, budget.total_tokens, temperature)
+        return speculative_generate(
+            target, drafter, self.draft.config.feature_layers, input_ids, config, max_new, self.stats,
+            tokenizer, streamer,
+        )
+
+
+def _wrap_generate(model: PreTrainedModel) -> None:
+    """Route `model.generate(assistant_model=<ConFuAssistant>)` to the assistant (once per instance)."""
+    if getattr(model.generate, "_confu_wrapped", False):
+        return
+    original = model.generate
+
+    @functools.wraps(original)
+    def generate(*args: Any, assistant_model: Any = None, **kwargs: Any):
+        if isinstance(assistant_model, ConFuAssistant):
+            return assistant_model.generate(model, *args, **kwargs)
+        return original(*args, assistant_model=assistant_model, **kwargs)
+
+    generate._confu_wrapped = True
+    model.generate = generate
+
+
+def _check_attention_mask(mask: torch.Tensor | None) -> None:
+    if mask is not None and not bool(mask.all()):
+        raise ValueError("Padded prompts are not supported (batch size 1): pass the prompt without padding.")
+
+
+def _generation_config(target: PreTrainedModel, kwargs: dict[str, Any]) -> GenerationConfig:
+    """Merge `generation_config=` / keyword overrides onto the target's config, as `generate` does."""
+    config = copy.deepcopy(kwargs.pop("generation_config", None) or target.generation_config)
+    unused = config.update(**kwargs)
+    unused.pop("use_cache", None)
+    if unused:
+        raise TypeError(f"Unsupported generate() arguments with a ConFu assistant: {sorted(unused)}.")
+    for name, neutral in _UNSUPPORTED.items():
+        if getattr(config, name, None) not in neutral:
+            raise ValueError(
+                f"`{name}={getattr(config, name)}` is not supported with a ConFu assistant "
+                "(supported: greedy or sampling with temperature/top_k/top_p/min_p, eos, stop strings)."
+            )
+    return config
+
+
+def _max_new_tokens(config: GenerationConfig, prompt_len: int, budget: TreeBudget, target) -> int:
+    max_new = config.max_new_tokens
+    if max_new is None:
+        max_new = (config.max_length or 20) - prompt_len
+    limit = getattr(target.config, "max_position_embeddings", None)
+    if limit is not None and prompt_len + max_new + budget.total_tokens > limit:
+        raise ValueError(
+            f"prompt ({prompt_len}) + max_new_tokens ({max_new}) + tree ({budget.total_tokens}) exceeds the "
+            f"target's context of {limit} positions: shorten the prompt or lower max_new_tokens."
+        )
+    if max_new < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new}.")
+    return max_new

@@ -1,0 +1,38 @@
+"""Tiny random targets and tokenizers built in code (no downloads)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+ARCHS = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}
+
+
+def tiny_target(arch: str = "llama", vocab_size: int = 128, seed: int = 0, init: float = 0.3, **overrides):
+    """A 4-layer random target; a large init makes its next-token distributions peaked (few near-ties)."""
+    config_cls, model_cls = ARCHS[arch]
+    torch.manual_seed(seed)
+    config = config_cls(
+        vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, initializer_range=init, max_position_embeddings=512,
+        bos_token_id=None, eos_token_id=None, pad_token_id=None, tie_word_embeddings=False, **overrides,
+    )
+    return model_cls(config).eval().requires_grad_(False)
+
+
+def tiny_tokenizer(vocab_size: int = 128) -> PreTrainedTokenizerFast:
+    """A word-level tokenizer whose token i is the string `t{i} ` (so stop strings can be matched)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+
+    vocab = {f"t{i}": i for i in range(vocab_size - 1)}
+    vocab["abcdef"] = vocab_size - 1  # StopStringCriteria probes the vocabulary with this prefix
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0")
+
+
+@pytest.fixture(params=sorted(ARCHS))
+def arch(request) -> str:
+    return request.param

@@ -1,0 +1,267 @@
+import json
+import logging
+from pathlib import Path
+
+import datasets
+import pytest
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from transformers_confu.data import (
+    DataCollatorForDraft,
+    build_draft_vocab,
+    load_conversations,
+    regenerate_responses,
+    tokenize_conversations,
+)
+
+REAL_DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "train"
+CHATML = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+CORPUS = [
+    "What is 2 + 3? The answer is 5.",
+    "Write a Python function that adds two numbers: def add(a, b): return a + b",
+    "Hello there! How are you today? I am fine, thank you.",
+    "Natalia sold 48 clips in April and half as many in May.",
+    "user assistant system\n",
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=True)
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(CORPUS * 5, trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<|im_start|>",
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        chat_template=CHATML,
+    )
+
+
+def _write_fixtures(d: Path) -> None:
+    gsm = [
+        json.dumps({"question": "What is 2 + 3?", "answer": "2 + 3 = 5\n#### 5"}),
+        "{not json",
+        json.dumps({"question": "", "answer": "x"}),
+        json.dumps({"question": "Q2", "answer": "A2"}),
+    ]
+    (d / "gsm8k_train.jsonl").write_text("\n".join(gsm) + "\n")
+    codegen = [
+        {"instruction": "Write add.", "input": "a, b", "response": "def add(a, b): return a + b"},
+        {"instruction": "Say hi.", "input": "", "response": "print('hi')"},
+        {"instruction": "Broken", "input": "", "response": 3},
+    ]
+    (d / "gpteacher_codegen_instruct.json").write_text(json.dumps(codegen))
+    roleplay = [{"instruction": "Be a pirate.", "input": "", "response": "Arr!"}, "not an object"]
+    (d / "gpteacher_roleplay_instruct.json").write_text(json.dumps(roleplay))
+    self_instruct = [
+        {"id": "t0", "instruction": "Fix it.", "instances": [{"input": "teh cat", "output": "the cat"}]},
+        {"id": "t1", "instruction": "Greet.", "instances": [{"input": "", "output": "Hello!"}]},
+        {"id": "t2", "instruction": "No instances.", "instances": []},
+    ]
+    (d / "self_instruct_user_oriented.jsonl").write_text("\n".join(map(json.dumps, self_instruct)) + "\n")
+    ultra = [{"class": " Vicuna ", "data": "Tell me a story."}, {"class": " Writing ", "data": None}]
+    (d / "ultrachat_ultra_eval.json").write_text(json.dumps(ultra))
+
+
+@pytest.fixture
+def data_dir(tmp_path):
+    _write_fixtures(tmp_path)
+    return tmp_path
+
+
+def _by_source(ds):
+    out = {}
+    for row in ds:
+        out.setdefault(row["source"], []).append(row["messages"])
+    return out
+
+
+def test_load_conversations_converts_each_format(data_dir):
+    convs = _by_source(load_conversations(data_dir))
+    assert convs["gsm8k_train.jsonl"] == [
+        [{"role": "user", "content": "What is 2 + 3?"}, {"role": "assistant", "content": "2 + 3 = 5\n#### 5"}],
+        [{"role": "user", "content": "Q2"}, {"role": "assistant", "content": "A2"}],
+    ]
+    assert convs["gpteacher_codegen_instruct.json"][0] == [
+        {"role": "user", "content": "Write add.\n\na, b"},
+        {"role": "assistant", "content": "def add(a, b): return a + b"},
+    ]
+    assert convs["gpteacher_codegen_instruct.json"][1][0]["content"] == "Say hi."
+    assert convs["gpteacher_roleplay_instruct.json"] == [
+        [{"role": "user", "content": "Be a pirate."}, {"role": "assistant", "content": "Arr!"}]
+    ]
+    assert convs["self_instruct_user_oriented.jsonl"][0] == [
+        {"role": "user", "content": "Fix it.\n\nteh cat"},
+        {"role": "assistant", "content": "the cat"},
+    ]
+    assert convs["ultrachat_ultra_eval.json"] == [[{"role": "user", "content": "Tell me a story."}]]
+
+
+def test_malformed_rows_are_reported_and_skipped(data_dir, caplog):
+    with caplog.at_level(logging.WARNING, logger="transformers_confu.data"):
+        ds = load_conversations(data_dir)
+    text = caplog.text
+    assert len(ds) == 2 + 2 + 1 + 2 + 1
+    for where in [
+        "gsm8k_train.jsonl line 2",
+        "gsm8k_train.jsonl line 3",
+        "gpteacher_codegen_instruct.json item 2",
+        "gpteacher_roleplay_instruct.json item 1",
+        "self_instruct_user_oriented.jsonl line 3",
+        "ultrachat_ultra_eval.json item 1",
+    ]:
+        assert where in text
+    assert "gsm8k_train.jsonl: 2 conversations loaded, 2 malformed rows skipped" in text
+
+
+def test_malformed_rows_raise_and_unknown_files_rejected(data_dir):
+    with pytest.raises(ValueError, match="gsm8k_train.jsonl line 2"):
+        load_conversations(data_dir, files=["gsm8k_train.jsonl"], on_error="raise")
+    with pytest.raises(ValueError, match="known files"):
+        load_conversations(data_dir, files=["nope.jsonl"])
+    (data_dir / "gpteacher_codegen_instruct.json").write_text(json.dumps(["x"])[:-1])
+    with pytest.raises(ValueError, match="gpteacher_codegen_instruct.json"):
+        load_conversations(data_dir, files=["gpteacher_codegen_instruct.json"])
+
+
+def _dataset(convs):
+    return datasets.Dataset.from_list([{"messages": m, "source": "test"} for m in convs])
+
+
+MULTI_TURN = [
+    {"role": "user", "content": "What is 2 + 3?"},
+    {"role": "assistant", "content": "The answer is 5."},
+    {"role": "user", "content": "Hello there!"},
+    {"role": "assistant", "content": " I am fine,\nthank you."},
+]
+
+
+def test_loss_mask_covers_exactly_assistant_content(tokenizer, caplog):
+    ds = _dataset([MULTI_TURN, [{"role": "user", "content": "Only a prompt"}]])
+    with caplog.at_level(logging.INFO, logger="transformers_confu.data"):
+        out = tokenize_conversations(ds, tokenizer)
+    assert "dropped 1 without an assistant turn" in caplog.text
+    assert len(out) == 1 and out.column_names == ["input_ids", "loss_mask"]
+    ids, mask = out[0]["input_ids"], out[0]["loss_mask"]
+    assert ids == tokenizer.apply_chat_template(MULTI_TURN, tokenize=True, return_dict=True)["input_ids"]
+    # masked tokens form two runs, one per assistant turn: content + <|im_end|>
+    runs, cur = [], []
+    for tok, m in zip(ids, mask):
+        if m:
+            cur.append(tok)
+        elif cur:
+            runs, cur = runs + [cur], []
+    assert [tokenizer.decode(r) for r in runs] == ["The answer is 5.<|im_end|>", " I am fine,\nthank you.<|im_end|>"]
+
+
+def test_truncation(tokenizer, caplog):
+    ds = _dataset([MULTI_TURN])
+    full = tokenize_conversations(ds, tokenizer)[0]
+    first_end = full["loss_mask"].index(1) + 2
+    out = tokenize_conversations(ds, tokenizer, max_length=first_end)[0]
+    assert out["input_ids"] == full["input_ids"][:first_end]
+    assert out["loss_mask"] == full["loss_mask"][:first_end]
+    with caplog.at_level(logging.INFO, logger="transformers_confu.data"):
+        assert len(tokenize_conversations(ds, tokenizer, max_length=5)) == 0
+    assert "1 with no assistant token left after truncation to 5 tokens" in caplog.text
+
+
+def test_build_draft_vocab():
+    ds = datasets.Dataset.from_list(
+        [
+            {"input_ids": [9, 9, 9, 7, 7, 3, 3, 1], "loss_mask": [1, 1, 1, 1, 1, 1, 1, 0]},
+            {"input_ids": [1, 1, 1, 1, 5, 3, 8], "loss_mask": [0, 0, 0, 0, 1, 0, 1]},
+        ]
+    )
+    # counts among masked tokens: 9->3, 7->2, 3->2, 5->1, 8->1 (1 is never masked)
+    assert build_draft_vocab(ds, 3, 10).tolist() == [3, 7, 9]
+    top4 = build_draft_vocab(ds, 4, 10)
+    assert top4.dtype == torch.long and top4.tolist() == [3, 5, 7, 9]  # tie 5 vs 8 broken by id
+    assert build_draft_vocab(ds, 7, 10).tolist() == [0, 1, 3, 5, 7, 8, 9]  # filled with lowest unused ids
+    filtered = ds.filter(lambda r: r["input_ids"][0] == 1)  # indices mapping must be respected
+    assert build_draft_vocab(filtered, 2, 10).tolist() == [5, 8]
+    with pytest.raises(ValueError):
+        build_draft_vocab(ds, 11, 10)
+
+
+def test_collator_right_pads():
+    batch = DataCollatorForDraft(pad_token_id=0)(
+        [{"input_ids": [5, 6, 7], "loss_mask": [0, 1, 1]}, {"input_ids": [8], "loss_mask": [1]}]
+    )
+    assert batch["input_ids"].tolist() == [[5, 6, 7], [8, 0, 0]]
+    assert batch["loss_mask"].tolist() == [[0, 1, 1], [1, 0, 0]]
+    assert batch["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
+    assert all(t.dtype == torch.long for t in batch.values())
+
+
+def test_regenerate_responses_resumes(tokenizer, tmp_path):
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+    )
+    model = LlamaForCausalLM(config)
+    calls = []
+    generate = model.generate
+
+    def counting_generate(*args, **kwargs):
+        calls.append(kwargs["input_ids"].shape[0])
+        assert (kwargs["attention_mask"][:, -1] == 1).all()  # left padding
+        return generate(*args, **kwargs)
+
+    model.generate = counting_generate
+    convs = [
+        [{"role": "user", "content": "What is 2 + 3?"}, {"role": "assistant", "content": "Old answer."}],
+        [{"role": "user", "content": "Tell me a story."}],
+        MULTI_TURN,
+        [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": "Hi"}],
+        [{"role": "user", "content": "Write add."}],
+    ]
+    ds = _dataset(convs)
+    first = regenerate_responses(ds, model, tokenizer, tmp_path, batch_size=2, max_new_tokens=3, limit=3)
+    assert len(first) == 3 and sum(calls) == 3
+    assert tokenizer.padding_side == "right"  # restored
+    calls.clear()
+    full = regenerate_responses(ds, model, tokenizer, tmp_path, batch_size=2, max_new_tokens=3)
+    assert sum(calls) == 2 and len(full) == 5  # only rows 3 and 4 were generated
+    assert full.to_list()[:3] == first.to_list()
+    for row, conv in zip(full, convs):
+        prompt = conv[:-1] if conv[-1]["role"] == "assistant" else conv
+        assert row["messages"][:-1] == prompt and row["messages"][-1]["role"] == "assistant"
+    assert full[0]["messages"][-1]["content"] != "Old answer."
+    lines = (tmp_path / "responses.jsonl").read_text().splitlines()
+    assert sorted(json.loads(line)["index"] for line in lines) == [0, 1, 2, 3, 4]
+    calls.clear()
+    regenerate_responses(ds, model, tokenizer, tmp_path, batch_size=2, max_new_tokens=3)
+    assert calls == []
+
+
+def test_real_training_files_load():
+    if not REAL_DATA.exists():
+        pytest.skip(f"{REAL_DATA} not found")
+    ds = load_conversations(REAL_DATA, on_error="raise")
+    counts = {}
+    for source in ds["source"]:
+        counts[source] = counts.get(source, 0) + 1
+    assert counts == {
+        "gsm8k_train.jsonl": 7473,
+        "gpteacher_codegen_instruct.json": 4535,
+        "gpteacher_roleplay_instruct.json": 1923,
+        "self_instruct_user_oriented.jsonl": 252,
+        "ultrachat_ultra_eval.json": 385,
+    }

@@ -1,0 +1,206 @@
+"""Lossless tree speculative decoding through `generate(assistant_model=...)`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import tiny_target, tiny_tokenizer
+from transformers import DynamicCache
+
+from transformers_confu import ConFuAssistant, ConFuDraftConfig
+from transformers_confu.cache import keep_path
+from transformers_confu.generation import SpeculativeStats, speculative_generate
+from transformers_confu.oracle import OracleDrafter
+from transformers_confu.tree import additive_mask
+
+BUDGETS = [dict(depth=1, top_k=1, total_tokens=2), dict(depth=3, top_k=2, total_tokens=6),
+           dict(depth=5, top_k=4, total_tokens=24)]
+
+
+def make_assistant(target, draft_vocab_size=64, draft_init=None, **tree):
+    config = ConFuDraftConfig.for_target(target, draft_vocab_size=draft_vocab_size)
+    if draft_init is not None:
+        config.initializer_range = draft_init
+    return ConFuAssistant.from_config(config, target, **tree)
+
+
+def plain(target, ids, **kw):
+    """Plain greedy `generate` (explicit mask: it would otherwise infer padding from pad_token_id)."""
+    return target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=0, **kw)
+
+
+@pytest.mark.parametrize("budget", BUDGETS, ids=lambda b: f"d{b['depth']}k{b['top_k']}n{b['total_tokens']}")
+def test_greedy_identity_random_draft(arch, budget):
+    target = tiny_target(arch)
+    assistant = make_assistant(target, **budget)
+    for seed in range(6):
+        torch.manual_seed(seed)
+        ids = torch.randint(0, 128, (1, 3 + 4 * seed))
+        ref = plain(target, ids, max_new_tokens=30)
+        out = target.generate(ids, max_new_tokens=30, do_sample=False, assistant_model=assistant)
+        assert torch.equal(out, ref), f"seed {seed}"
+        assert assistant.stats.new_tokens == 30
+        assert sum(assistant.stats.accept_lengths) == 29  # the first token comes from the prefill
+
+
+def oracle_generate(target, ids, reference, depth=4, total_tokens=10, **config_kw):
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(do_sample=False, **config_kw)
+    stats = SpeculativeStats()
+    drafter = OracleDrafter(reference, depth, total_tokens, target.config.vocab_size)
+    out = speculative_generate(target, drafter, [1, 2, 3], ids, config, config_kw.get("max_new_tokens", 40),
+                               stats, tokenizer=config_kw.get("tokenizer"))
+    return out, stats
+
+
+def test_greedy_identity_oracle_draft(arch):
+    target = tiny_target(arch)
+    for seed in range(5):
+        torch.manual_seed(seed)
+        ids = torch.randint(0, 128, (1, 5 + seed))
+        ref = plain(target, ids, max_new_tokens=40)
+        out, stats = oracle_generate(target, ids, ref, depth=4, total_tokens=10, max_new_tokens=40)
+        assert torch.equal(out, ref)
+        assert stats.mean_accepted_tokens > 4.5  # full chains of 4 + bonus, except near the end
+
+
+def test_eos_inside_accepted_block():
+    target = tiny_target()
+    ids = torch.randint(0, 128, (1, 6), generator=torch.Generator().manual_seed(1))
+    free = plain(target, ids, max_new_tokens=40)
+    eos = int(free[0, ids.shape[1] + 13])  # a token in the middle of a 5-token accepted block
+    ref = plain(target, ids, max_new_tokens=40, eos_token_id=eos)
+    out, stats = oracle_generate(target, ids, free, max_new_tokens=40, eos_token_id=eos)
+    assert torch.equal(out, ref)
+    assert out[0, -1] == eos and out.shape[1] < free.shape[1]
+
+
+@pytest.mark.parametrize("max_new", [1, 2, 13, 17])
+def test_max_new_tokens_mid_block(max_new):
+    target = tiny_target()
+    ids = torch.randint(0, 128, (1, 6), generator=torch.Generator().manual_seed(2))
+    ref = plain(target, ids, max_new_tokens=max_new)
+    out, stats = oracle_generate(target, ids, plain(target, ids, max_new_tokens=40), max_new_tokens=max_new)
+    assert torch.equal(out, ref) and out.shape[1] == ids.shape[1] + max_new
+
+
+def test_stop_strings():
+    target, tokenizer = tiny_target(), tiny_tokenizer()
+    ids = torch.randint(0, 128, (1, 6), generator=torch.Generator().manual_seed(3))
+    free = plain(target, ids, max_new_tokens=40)
+    stop = tokenizer.decode(free[0, ids.shape[1] + 9 : ids.shape[1] + 11])
+    ref = plain(target, ids, max_new_tokens=40, stop_strings=[stop], tokenizer=tokenizer)
+    assert ref.shape[1] < free.shape[1]
+    out, _ = oracle_generate(target, ids, free, max_new_tokens=40, stop_strings=[stop], tokenizer=tokenizer)
+    assert torch.equal(out, ref)
+    assistant = make_assistant(target)
+    out = target.generate(ids, max_new_tokens=40, stop_strings=[stop], tokenizer=tokenizer, assistant_model=assistant)
+    assert torch.equal(out, ref)
+
+
+def test_streamer_receives_every_token():
+    target = tiny_target()
+    assistant = make_assistant(target)
+
+    class Collect:
+        def __init__(self):
+            self.chunks, self.ended = [], False
+
+        def put(self, value):
+            self.chunks.append(value.flatten())
+
+        def end(self):
+            self.ended = True
+
+    ids = torch.randint(0, 128, (1, 5), generator=torch.Generator().manual_seed(4))
+    streamer = Collect()
+    out = target.generate(ids, max_new_tokens=20, do_sample=False, assistant_model=assistant, streamer=streamer)
+    assert streamer.ended and torch.equal(torch.cat(streamer.chunks), out[0])
+
+
+def test_kv_compaction_matches_sequential_forward():
+    target = tiny_target()
+    prefix = torch.randint(0, 128, (1, 7), generator=torch.Generator().manual_seed(5))
+    tree_tokens = torch.tensor([[11, 12, 13, 14, 15, 16]])
+    parents = [-1, 0, 0, 1, 2, 3]  # node 5 has ancestors 3, 1, 0
+    anc = torch.zeros(6, 6, dtype=torch.bool)
+    for i, p in enumerate(parents):
+        anc[i] = anc[p] if p >= 0 else anc[i]
+        anc[i, i] = True
+    depths = anc.sum(1) - 1
+    cache = DynamicCache(config=target.config)
+    target(prefix, past_key_values=cache, use_cache=True)
+    tree_out = target(tree_tokens, position_ids=(7 + depths)[None], attention_mask=additive_mask(anc, 7, torch.float32),
+                      past_key_values=cache, use_cache=True)
+    path = [0, 1, 3, 5]
+    keep_path(cache, 7, path)
+    seq_cache = DynamicCache(config=target.config)
+    seq_out = target(torch.cat([prefix, tree_tokens[:, path]], 1), past_key_values=seq_cache, use_cache=True)
+    torch.testing.assert_close(tree_out.logits[0, path], seq_out.logits[0, 7:], atol=1e-5, rtol=1e-4)
+    for a, b in zip(cache.layers, seq_cache.layers):
+        torch.testing.assert_close(a.keys, b.keys, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(a.values, b.values, atol=1e-5, rtol=1e-4)
+
+
+def test_plain_generate_untouched_by_wrapping():
+    target = tiny_target()
+    ids = torch.randint(0, 128, (1, 5), generator=torch.Generator().manual_seed(6))
+    ref = plain(target, ids, max_new_tokens=10)
+    make_assistant(target)
+    assert torch.equal(plain(target, ids, max_new_tokens=10), ref)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(input_ids=torch.zeros(2, 4, dtype=torch.long)), "batch size 1"),
+        (dict(input_ids=torch.zeros(1, 0, dtype=torch.long)), "empty"),
+        (dict(num_beams=2), "num_beams"),
+        (dict(repetition_penalty=1.2), "repetition_penalty"),
+        (dict(attention_mask=torch.tensor([[0, 1, 1, 1]])), "Padded"),
+        (dict(max_new_tokens=600), "context"),
+        (dict(stop_strings=["x"]), "tokenizer"),
+        (dict(tree_total_tokens=0), "Tree budget"),
+        (dict(return_dict_in_generate=True), "return_dict_in_generate"),
+    ],
+)
+def test_unsupported_inputs_raise_clear_errors(kwargs, match):
+    target = tiny_target()
+    assistant = make_assistant(target)
+    kwargs = {"input_ids": torch.ones(1, 4, dtype=torch.long), "max_new_tokens": 5, **kwargs}
+    with pytest.raises((ValueError, TypeError), match=match):
+        target.generate(assistant_model=assistant, **kwargs)
+
+
+def test_unknown_generate_argument_raises():
+    target = tiny_target()
+    assistant = make_assistant(target)
+    with pytest.raises(TypeError, match="frobnicate"):
+        target.generate(torch.ones(1, 4, dtype=torch.long), assistant_model=assistant, frobnicate=1)
+
+
+def test_generate_of_unprepared_model_explains_the_fix():
+    target, other = tiny_target(), tiny_target()
+    assistant = make_assistant(target)
+    with pytest.raises(AttributeError, match="BEFORE"):
+        other.generate(torch.ones(1, 4, dtype=torch.long), max_new_tokens=3, assistant_model=assistant)
+
+
+def test_draft_for_other_target_raises():
+    draft_target, other = tiny_target(), tiny_target(vocab_size=96)
+    config = ConFuDraftConfig.for_target(draft_target, draft_vocab_size=64)
+    with pytest.raises(ValueError, match="vocab_size: draft expects 128, target has 96"):
+        ConFuAssistant.from_config(config, other)
+
+
+def test_assistant_save_and_load_roundtrip(tmp_path):
+    target = tiny_target()
+    assistant = make_assistant(target, depth=3, top_k=2, total_tokens=6)
+    assistant.save_pretrained(tmp_path)
+    loaded = ConFuAssistant.from_pretrained(tmp_path, target_model=target, depth=3, top_k=2, total_tokens=6)
+    ids = torch.randint(0, 128, (1, 5), generator=torch.Generator().manual_seed(7))
+    out_a = target.generate(ids, max_new_tokens=12, do_sample=False, assistant_model=assistant)
+    stats_a = list(assistant.stats.accept_lengths)
+    out_b = target.generate(ids, max_new_tokens=12, do_sample=False, assistant_model=loaded)
+    assert torch.equal(out_a, out_b) and stats_a == loaded.stats.accept_lengths
