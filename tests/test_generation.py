@@ -8,7 +8,7 @@ from conftest import tiny_target, tiny_tokenizer
 from transformers import DynamicCache
 
 from transformers_confu import ConFuAssistant, ConFuDraftConfig
-from transformers_confu.cache import keep_path
+from transformers_confu.cache import cache_kwargs, keep_path
 from transformers_confu.generation import SpeculativeStats, speculative_generate
 from transformers_confu.oracle import OracleDrafter
 from transformers_confu.tree import additive_mask
@@ -130,13 +130,13 @@ def test_kv_compaction_matches_sequential_forward():
         anc[i, i] = True
     depths = anc.sum(1) - 1
     cache = DynamicCache(config=target.config)
-    target(prefix, past_key_values=cache, use_cache=True)
+    target(prefix, use_cache=True, **cache_kwargs(target, cache))
     tree_out = target(tree_tokens, position_ids=(7 + depths)[None], attention_mask=additive_mask(anc, 7, torch.float32),
-                      past_key_values=cache, use_cache=True)
+                      use_cache=True, **cache_kwargs(target, cache))
     path = [0, 1, 3, 5]
     keep_path(cache, 7, path)
     seq_cache = DynamicCache(config=target.config)
-    seq_out = target(torch.cat([prefix, tree_tokens[:, path]], 1), past_key_values=seq_cache, use_cache=True)
+    seq_out = target(torch.cat([prefix, tree_tokens[:, path]], 1), use_cache=True, **cache_kwargs(target, seq_cache))
     torch.testing.assert_close(tree_out.logits[0, path], seq_out.logits[0, 7:], atol=1e-5, rtol=1e-4)
     for a, b in zip(cache.layers, seq_cache.layers):
         torch.testing.assert_close(a.keys, b.keys, atol=1e-5, rtol=1e-4)

@@ -2,8 +2,16 @@
 
 from __future__ import annotations
 
+import inspect
+
 import torch
-from transformers import DynamicCache
+from transformers import DynamicCache, PreTrainedModel
+
+
+def cache_kwargs(model: PreTrainedModel, cache: DynamicCache) -> dict:
+    """`{name: cache}` for `model.forward`: transformers 5.24 renamed `past_key_values` to `cache`."""
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    return {name: cache}
 
 
 def cache_length(cache: DynamicCache) -> int:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -20,7 +19,7 @@ from transformers import (
 )
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, StopStringCriteria
 
-from .cache import keep_path
+from .cache import cache_kwargs, keep_path
 from .tree import TreeDrafter, additive_mask
 from .verify import accept_greedy, accept_sampling
 
@@ -90,12 +89,12 @@ class _Target:
     def __init__(self, model: PreTrainedModel, feature_layers: list[int]) -> None:
         self.model, self.layers = model, feature_layers
         self.cache = DynamicCache(config=model.config)
-        self.cache_kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        self.cache_kwargs = cache_kwargs(model, self.cache)
 
     def __call__(self, ids, positions=None, mask=None) -> tuple[torch.Tensor, torch.Tensor]:
         out = self.model(
             input_ids=ids, position_ids=positions, attention_mask=mask, use_cache=True,
-            output_hidden_states=True, **{self.cache_kwarg: self.cache},
+            output_hidden_states=True, **self.cache_kwargs,
         )
         features = torch.cat([out.hidden_states[i] for i in self.layers], dim=-1)
         return out.logits[0], features

