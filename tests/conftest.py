@@ -36,3 +36,12 @@ def tiny_tokenizer(vocab_size: int = 128) -> PreTrainedTokenizerFast:
 @pytest.fixture(params=sorted(ARCHS))
 def arch(request) -> str:
     return request.param
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _one_thread():
+    """Tiny models run fastest (and least disturbed by other processes) on one thread."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

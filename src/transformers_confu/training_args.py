@@ -1,0 +1,40 @@
+"""Training arguments of the draft head: `transformers.TrainingArguments` plus the TTT settings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from transformers import TrainingArguments
+
+
+@dataclass
+class ConFuTrainingArguments(TrainingArguments):
+    """`TrainingArguments` for `ConFuTrainer`.
+
+    Defaults changed from `TrainingArguments`: `remove_unused_columns=False` (the batches carry
+    `loss_mask`, which the draft's forward does not take) and `ddp_find_unused_parameters=False`
+    (the TTT unroll calls the draft several times and its LM head outside `forward`; DDP's unused
+    parameter search fails on that, while plain DDP syncs every gradient correctly).
+    """
+
+    ttt_steps: int = field(default=4, metadata={"help": "Number of training-time-test steps the draft is unrolled."})
+    ttt_decay: float = field(default=0.8, metadata={"help": "The loss of TTT step i is weighted ttt_decay**i."})
+    max_minutes: float | None = field(
+        default=None,
+        metadata={"help": "Save a checkpoint and stop once training has run this many minutes (wall clock)."},
+    )
+    remove_unused_columns: bool = field(
+        default=False, metadata={"help": "Keep the batch columns the model's forward does not name (loss_mask)."}
+    )
+    ddp_find_unused_parameters: bool | None = field(
+        default=False, metadata={"help": "DDP's unused-parameter search; must stay False for the TTT unroll."}
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.ttt_steps < 1:
+            raise ValueError(f"ttt_steps={self.ttt_steps} must be >= 1.")
+        if self.ttt_decay <= 0:
+            raise ValueError(f"ttt_decay={self.ttt_decay} must be > 0.")
+        if self.max_minutes is not None and self.max_minutes < 0:
+            raise ValueError(f"max_minutes={self.max_minutes} must be >= 0.")

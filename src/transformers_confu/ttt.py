@@ -1,0 +1,166 @@
+"""EAGLE-3 training-time test (TTT): the draft unrolled over its own outputs, as pure functions.
+
+Shapes: B batch, T tokens, H the target's hidden size, D the draft vocabulary, k the number of TTT steps.
+
+Step i (0 <= i < k) runs the draft once over all T positions. Position t gets the token x_{t+1+i},
+position id t+i, and as feature the fused target feature F_t (step 0) or its own step i-1 output
+(step i > 0). Its output predicts x_{t+2+i}; the teacher is the target's distribution at t+1+i.
+
+Attention at step i (keys are appended to one `DynamicCache`, so the key axis is (i+1)T long).
+Query t sees the step-0 keys of the real positions s <= t, then only itself in every later block:
+
+    keys:     step 0 (s = 0..T-1)   step 1      ...   step i
+    query t:  [ 1 1 1 0 0 0 ]      [ 0 0 1 0 0 0 ]    [ 0 0 1 0 0 0 ]     (here t = 2)
+
+This is what the draft sees at inference, where the token drafted at depth i after position t
+attends to the real prefix and to its own ancestors.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import DynamicCache, PreTrainedModel
+
+
+def target_features_and_logits(
+    target: PreTrainedModel,
+    input_ids: torch.LongTensor,
+    attention_mask: torch.Tensor,
+    feature_layers: list[int],
+    d2t: torch.LongTensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One frozen target forward: the fused features and the logits over the draft vocabulary.
+
+    Args:
+        target: the target causal LM; its output head must be a plain linear map (Llama, Qwen2, ...).
+        input_ids: (B, T) token ids.
+        attention_mask: (B, T) 1 for real tokens, 0 for padding.
+        feature_layers: 3 indices into the target's `hidden_states` tuple.
+        d2t: (D,) target id of each draft id.
+
+    Returns:
+        `(features, logits)`: (B, T, 3H) the concatenated hidden states, and (B, T, D) the target's
+        logits restricted to the draft vocabulary (equal to the full logits[..., d2t], without
+        materialising the (B, T, V) tensor).
+    """
+    with torch.no_grad():
+        out = target.base_model(
+            input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, use_cache=False
+        )
+        features = torch.cat([out.hidden_states[i] for i in feature_layers], dim=-1)
+        head: nn.Linear = target.get_output_embeddings()
+        bias = None if head.bias is None else head.bias[d2t]
+        logits = F.linear(out.last_hidden_state, head.weight[d2t], bias)
+    return features, logits
+
+
+def shift_left(x: torch.Tensor, n: int, fill: int = 0) -> torch.Tensor:
+    """(B, T, ...) -> (B, T, ...) holding `x[:, t + n]` at position t, and `fill` past the end."""
+    tail = x.new_full((x.shape[0], min(n, x.shape[1]), *x.shape[2:]), fill)
+    return torch.cat([x[:, n:], tail], dim=1)
+
+
+def ttt_attention_mask(attention_mask: torch.Tensor, step: int, dtype: torch.dtype) -> torch.Tensor:
+    """The additive mask of TTT step `step`: (B, T) padding mask -> (B, 1, T, (step+1)T).
+
+    0 where the query may attend, `torch.finfo(dtype).min` elsewhere (see the module docstring).
+    A query always sees its own step-0 key, so no row is empty (padding queries included).
+    """
+    batch, length = attention_mask.shape
+    eye = torch.eye(length, dtype=torch.bool, device=attention_mask.device)
+    causal = torch.ones_like(eye).tril()
+    prefix = (causal & attention_mask.bool()[:, None, :]) | eye
+    allowed = torch.cat([prefix, eye.repeat(1, step).expand(batch, -1, -1)], dim=-1)
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+    return mask.masked_fill_(~allowed, torch.finfo(dtype).min)[:, None]
+
+
+def ttt_hidden_states(
+    draft: nn.Module,
+    features: torch.Tensor,
+    input_ids: torch.LongTensor,
+    attention_mask: torch.Tensor,
+    steps: int,
+) -> list[torch.Tensor]:
+    """Unroll the draft for `steps` TTT steps; returns one (B, T, H) hidden state per step.
+
+    `draft` is a `ConFuDraftModel` or a wrapper of it (DDP) whose forward is the draft's.
+    """
+    batch, length = input_ids.shape
+    dtype = _unwrap(draft).fc.weight.dtype
+    positions = torch.arange(length, device=input_ids.device).expand(batch, length)
+    cache = DynamicCache()
+    hidden = features.to(dtype)
+    outputs = []
+    for step in range(steps):
+        mask = ttt_attention_mask(attention_mask, step, dtype)
+        hidden = draft(shift_left(input_ids, 1 + step), hidden, positions + step, mask, cache)
+        outputs.append(hidden)
+    return outputs
+
+
+def ttt_valid_positions(attention_mask: torch.Tensor, loss_mask: torch.Tensor, step: int) -> torch.Tensor:
+    """(B, T) bool: positions t trained at `step`.
+
+    The teacher position t+1+step must be a real token and the predicted token x_{t+2+step} a real
+    token with `loss_mask` 1 (an assistant token).
+    """
+    teacher_is_real = shift_left(attention_mask, 1 + step)
+    target_is_trained = shift_left(attention_mask * loss_mask, 2 + step)
+    return (teacher_is_real * target_is_trained).bool()
+
+
+def soft_cross_entropy(logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
+    """(N, D), (N, D) -> (N,): cross-entropy of softmax(logits) against softmax(teacher_logits), in fp32."""
+    teacher = teacher_logits.float().softmax(dim=-1)
+    return -(teacher * logits.float().log_softmax(dim=-1)).sum(dim=-1)
+
+
+def ttt_loss(
+    draft: nn.Module,
+    features: torch.Tensor,
+    target_logits: torch.Tensor,
+    input_ids: torch.LongTensor,
+    loss_mask: torch.Tensor,
+    attention_mask: torch.Tensor,
+    steps: int = 4,
+    decay: float = 0.8,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The EAGLE-3 TTT loss: sum over steps i of decay**i * mean soft cross-entropy at step i.
+
+    Args:
+        draft: a `ConFuDraftModel` (attached to the target), or a DDP wrapper of it.
+        features: (B, T, 3H) fused target features.
+        target_logits: (B, T, D) the target's logits over the draft vocabulary.
+        input_ids, loss_mask, attention_mask: (B, T), right-padded; loss_mask 1 on assistant tokens.
+        steps: number of unrolled steps k.
+        decay: weight of step i is decay**i.
+
+    Returns:
+        `(loss, metrics)`; metrics hold detached scalars per step i: `loss_i` (unweighted mean
+        cross-entropy), `acc_i` (draft argmax == teacher argmax; 0 when nothing is trained) and
+        `count_i` (number of trained positions).
+    """
+    head = _unwrap(draft)
+    hidden_states = ttt_hidden_states(draft, features, input_ids, attention_mask, steps)
+    loss = torch.zeros((), device=features.device)
+    metrics: dict[str, torch.Tensor] = {}
+    for step, hidden in enumerate(hidden_states):
+        rows, cols = ttt_valid_positions(attention_mask, loss_mask, step).nonzero(as_tuple=True)
+        logits = head.logits(hidden[rows, cols])  # the LM head only where there is a loss
+        teacher = target_logits[rows, cols + 1 + step]
+        count = max(len(rows), 1)
+        step_loss = soft_cross_entropy(logits, teacher).sum() / count
+        loss = loss + decay**step * step_loss
+        correct = (logits.argmax(dim=-1) == teacher.argmax(dim=-1)).sum()
+        metrics[f"loss_{step}"] = step_loss.detach()
+        metrics[f"acc_{step}"] = correct.float() / count
+        metrics[f"count_{step}"] = torch.tensor(len(rows), device=features.device)
+    return loss, metrics
+
+
+def _unwrap(draft: nn.Module) -> nn.Module:
+    """The draft inside a DDP wrapper (forward goes through the wrapper for gradient sync)."""
+    return getattr(draft, "module", draft)
