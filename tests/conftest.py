@@ -30,7 +30,8 @@ def tiny_tokenizer(vocab_size: int = 128) -> PreTrainedTokenizerFast:
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="t0"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.decoder = decoders.WordPiece(prefix="##")
-    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0")
+    chat = "{% for m in messages %}{{ m['content'] }} {% endfor %}{% if add_generation_prompt %}t1 {% endif %}"
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", chat_template=chat)
 
 
 @pytest.fixture(params=sorted(ARCHS))

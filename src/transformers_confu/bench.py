@@ -1,0 +1,250 @@
+"""`confu-bench`: Spec-Bench style comparison of decoding methods on one target, in one run.
+
+Methods are interleaved per question (plain `generate` first, as the reference), so that slow drifts of
+the machine hit every method alike. Per method it writes Spec-Bench answer files; per method and category
+it reports tau (tokens per target pass), tokens/s, speed-up over plain `generate` (total tokens over total
+time, as Spec-Bench computes it) and, at temperature 0, whether every output equals plain `generate`'s
+(each mismatch listed with the target's top-2 logit gap where it diverged, to tell a near-tie from a bug).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from .assistant import ConFuAssistant
+from .questions import DEFAULT_QUESTIONS, chat_input_ids, load_questions
+from .target import DEFAULT_DRAFT, DEFAULT_TARGET, load_target
+
+
+@dataclass
+class Method:
+    """A named way to answer: `run(input_ids, max_new_tokens) -> (output ids, accept lengths or None)`."""
+
+    name: str
+    run: Callable[[torch.LongTensor, int], tuple[torch.LongTensor, list[int] | None]]
+
+
+def build_methods(model, drafts: list[str], trees: list[tuple[int, int, int]], sampling: dict,
+                  prompt_lookup: int | None) -> list[Method]:
+    """Plain generate (the reference), prompt lookup, then every draft x tree budget."""
+    ones = torch.ones_like
+
+    def plain(ids, n):
+        return model.generate(ids, attention_mask=ones(ids), max_new_tokens=n, **sampling), None
+
+    methods = [Method("generate", plain)]
+    if prompt_lookup:
+        methods.append(Method(f"prompt_lookup{prompt_lookup}", lambda ids, n: (model.generate(
+            ids, attention_mask=ones(ids), max_new_tokens=n, prompt_lookup_num_tokens=prompt_lookup, **sampling), None)))
+    for path in drafts:
+        for depth, top_k, total in trees:
+            assistant = ConFuAssistant.from_pretrained(path, target_model=model, depth=depth, top_k=top_k,
+                                                       total_tokens=total)
+            mode = "confu" if assistant.draft.config.contemplate else "eagle3"
+            name = f"{mode}:{Path(path).name}:d{depth}k{top_k}n{total}"
+            methods.append(Method(name, _speculative(model, assistant, sampling)))
+    return methods
+
+
+def _speculative(model, assistant: ConFuAssistant, sampling: dict):
+    def run(ids, n):
+        out = model.generate(ids, max_new_tokens=n, assistant_model=assistant, **sampling)
+        return out, list(assistant.stats.accept_lengths)
+
+    return run
+
+
+def answer(method: Method, tokenizer, question: dict, max_new_tokens: int, seed: int) -> dict:
+    """Answer every turn of a question (later turns see the method's own earlier answers)."""
+    texts, ids_out, new_tokens, times, accepts = [], [], [], [], []
+    for turn in range(len(question["turns"])):
+        ids = chat_input_ids(tokenizer, question["turns"][: turn + 1], texts)
+        torch.manual_seed(seed + turn)
+        start = time.perf_counter()
+        out, accept = method.run(ids, max_new_tokens)
+        times.append(time.perf_counter() - start)
+        new = out[0, ids.shape[1]:]
+        ids_out.append((ids, new))
+        texts.append(tokenizer.decode(new, skip_special_tokens=True))
+        new_tokens.append(int(new.numel()))
+        accepts.append(accept if accept is not None else [1] * max(int(new.numel()) - 1, 0))
+    return dict(question_id=question["question_id"], category=question["category"], model_id=method.name,
+                choices=[dict(index=0, turns=texts, new_tokens=new_tokens, wall_time=times,
+                              accept_lengths=[a for turn in accepts for a in turn],
+                              decoding_steps=[len(a) + 1 for a in accepts])],
+                tstamp=time.time(), _ids=ids_out)
+
+
+def divergence(model, reference: tuple, other: tuple) -> dict | None:
+    """Where `other`'s tokens first differ from the reference's, with the target's top-2 logit gap there."""
+    (prompt, ref), (prompt_b, new) = reference, other
+    if torch.equal(prompt, prompt_b) and torch.equal(ref, new):
+        return None
+    n = min(ref.numel(), new.numel())
+    diff = (ref[:n] != new[:n]).nonzero()
+    at = int(diff[0]) if diff.numel() else n
+    if not torch.equal(prompt, prompt_b):
+        return dict(position=-1, note="the prompts differ (an earlier turn diverged)")
+    with torch.no_grad():
+        logits = model(torch.cat([prompt[0], ref[:at]])[None]).logits[0, -1]
+    top = logits.float().topk(2).values
+    return dict(position=at, top2_logit_gap=float(top[0] - top[1]), reference_token=int(ref[at]) if at < ref.numel()
+                else None, token=int(new[at]) if at < new.numel() else None)
+
+
+def summarize(records: dict[str, list[dict]], greedy: bool, mismatches: dict[str, list]) -> dict:
+    """Per method and category (and `overall`): tau, tokens/s, speed-up over `generate`, losslessness."""
+    table: dict[str, dict[str, dict]] = {}
+    for name, rows in records.items():
+        groups = defaultdict(list)
+        for row in rows:
+            groups[row["category"]].append(row["choices"][0])
+            groups["overall"].append(row["choices"][0])
+        table[name] = {}
+        for category, choices in groups.items():
+            tokens = sum(sum(c["new_tokens"]) for c in choices)
+            seconds = sum(sum(c["wall_time"]) for c in choices)
+            accepts = [a for c in choices for a in c["accept_lengths"]]
+            table[name][category] = dict(tokens=tokens, seconds=seconds, tokens_per_s=tokens / seconds,
+                                         tau=sum(accepts) / max(len(accepts), 1))
+    for name in table:
+        for category, cell in table[name].items():
+            cell["speedup"] = cell["tokens_per_s"] / table["generate"][category]["tokens_per_s"]
+            if greedy:
+                cell["identical"] = not any(m["category"] == category or category == "overall"
+                                            for m in mismatches.get(name, []))
+    return table
+
+
+def markdown(table: dict, meta: dict) -> str:
+    categories = list(next(iter(table.values())))
+    lines = [f"# confu-bench: {meta['target']}, {meta['hardware']}", "",
+             f"{meta['questions']} questions from `{meta['question_file']}`, max {meta['max_new_tokens']} new tokens, "
+             f"temperature {meta['temperature']}, seed {meta['seed']}.", "", f"Command: `{meta['command']}`", "",
+             "## Overall", "", "| method | tau | tokens/s | speed-up | identical to generate |", "|---|---|---|---|---|"]
+    for name, cells in table.items():
+        c = cells["overall"]
+        lines.append(f"| {name} | {c['tau']:.2f} | {c['tokens_per_s']:.2f} | {c['speedup']:.2f}x | "
+                     f"{c.get('identical', 'n/a (sampling)')} |")
+    lines += ["", "## Speed-up (tau) per category", "", "| method | " + " | ".join(categories) + " |",
+              "|---" * (len(categories) + 1) + "|"]
+    for name, cells in table.items():
+        lines.append(f"| {name} | " + " | ".join(f"{cells[c]['speedup']:.2f}x ({cells[c]['tau']:.2f})"
+                                                 for c in categories) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(table: dict, records: dict, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [n for n in table if n != "generate"]
+    categories = [c for c in next(iter(table.values())) if c != "overall"] + ["overall"]
+    fig, axes = plt.subplots(1, 3, figsize=(18, 5))
+    width = 0.8 / max(len(names), 1)
+    for i, name in enumerate(names):
+        xs = [j + i * width for j in range(len(categories))]
+        axes[0].bar(xs, [table[name][c]["speedup"] for c in categories], width, label=name)
+        axes[1].bar(xs, [table[name][c]["tau"] for c in categories], width, label=name)
+        accepts = [a for row in records[name] for a in row["choices"][0]["accept_lengths"]]
+        if accepts:
+            axes[2].hist(accepts, bins=range(1, max(accepts) + 2), alpha=0.5, label=name, align="left")
+    for ax, title in zip(axes, ["speed-up over generate", "tau (tokens per target pass)", "accepted tokens per pass"]):
+        ax.set_title(title)
+        ax.legend(fontsize=7)
+    for ax in axes[:2]:
+        ax.set_xticks(range(len(categories)), categories, rotation=45, ha="right")
+    axes[0].axhline(1.0, color="gray", linestyle="--")
+    fig.tight_layout()
+    fig.savefig(out.with_suffix(".png"), dpi=100)
+    plt.close(fig)
+
+
+def run_bench(model, tokenizer, methods: list[Method], questions: list[dict], max_new_tokens: int, seed: int,
+              greedy: bool) -> tuple[dict[str, list[dict]], dict[str, list]]:
+    """Answer every question with every method (interleaved); check outputs against `generate` at T=0."""
+    records: dict[str, list[dict]] = {m.name: [] for m in methods}
+    mismatches: dict[str, list] = defaultdict(list)
+    for question in tqdm(questions, desc="questions"):
+        rows = {m.name: answer(m, tokenizer, question, max_new_tokens, seed) for m in methods}
+        reference = rows["generate"].pop("_ids")
+        for name, row in rows.items():
+            ids = row.pop("_ids", reference)
+            if greedy and name != "generate":
+                for turn, (ref, got) in enumerate(zip(reference, ids)):
+                    where = divergence(model, ref, got)
+                    if where is not None:
+                        mismatches[name].append(dict(question_id=question["question_id"],
+                                                     category=question["category"], turn=turn, **where))
+            records[name].append(row)
+    return records, dict(mismatches)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="confu-bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", default=DEFAULT_TARGET, help="the embedded default target, a folder or a Hub id")
+    p.add_argument("--drafts", nargs="*", default=[str(DEFAULT_DRAFT)], help="draft folders or Hub ids")
+    p.add_argument("--questions", default=str(DEFAULT_QUESTIONS), help="Spec-Bench style question .jsonl")
+    p.add_argument("--limit", type=int, default=None, help="at most this many questions")
+    p.add_argument("--per-category", type=int, default=None, help="at most this many questions per category")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (with the losslessness check)")
+    p.add_argument("--trees", default="4,2,6", help="tree budgets 'depth,top_k,total_tokens;...'")
+    p.add_argument("--prompt-lookup", type=int, default=10, help="prompt-lookup tokens (0 = leave it out)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="results/bench", help="output path prefix (.md, .json, .png, answers/)")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> dict:
+    """Run the benchmark and write `<out>.md`, `<out>.json`, `<out>.png` and `<out>_answers/<method>.jsonl`."""
+    import sys
+
+    args = parse_args(argv)
+    torch.manual_seed(args.seed)
+    model, tokenizer = load_target(args.target)
+    greedy = args.temperature == 0
+    sampling = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=args.temperature)
+    trees = [tuple(int(x) for x in t.split(",")) for t in args.trees.split(";")]
+    methods = build_methods(model, args.drafts, trees, sampling, args.prompt_lookup)
+    questions = load_questions(args.questions, args.limit, args.per_category)
+    records, mismatches = run_bench(model, tokenizer, methods, questions, args.max_new_tokens, args.seed, greedy)
+    table = summarize(records, greedy, mismatches)
+    meta = dict(target=args.target, hardware=f"{platform.machine()} CPU, {torch.get_num_threads()} threads"
+                if not torch.cuda.is_available() else torch.cuda.get_device_name(), questions=len(questions),
+                question_file=args.questions, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                seed=args.seed, command="confu-bench " + " ".join(argv if argv is not None else sys.argv[1:]))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    answers = out.parent / f"{out.name}_answers"
+    answers.mkdir(exist_ok=True)
+    for name, rows in records.items():
+        with (answers / f"{name.replace(':', '_')}.jsonl").open("w") as f:
+            f.writelines(json.dumps(row) + "\n" for row in rows)
+    summary = dict(meta=meta, table=table, mismatches=mismatches)
+    out.with_suffix(".json").write_text(json.dumps(summary, indent=2))
+    text = markdown(table, meta)
+    if mismatches:
+        text += "\n## Mismatches against plain generate\n\n" + "\n".join(
+            f"- {name}: {m}" for name, ms in mismatches.items() for m in ms) + "\n"
+    out.with_suffix(".md").write_text(text)
+    plot(table, records, out)
+    print(text)
+    return summary
+
+
+if __name__ == "__main__":
+    main()

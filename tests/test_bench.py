@@ -1,0 +1,64 @@
+"""confu-bench end to end on a tiny random target, and its losslessness check."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+from conftest import tiny_target, tiny_tokenizer
+
+from transformers_confu import ConFuAssistant, ConFuDraftConfig
+from transformers_confu.bench import Method, build_methods, main, run_bench, summarize
+
+
+def write_questions(path, n=4):
+    rows = [dict(question_id=i, category=["qa", "math"][i % 2], turns=[f"t{3 + i} t{9 + i}", "t5 t6"][: 1 + i % 2])
+            for i in range(n)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_bench_end_to_end_writes_spec_bench_answers_tables_and_plots(tmp_path):
+    target, tokenizer = tiny_target(), tiny_tokenizer()
+    target.save_pretrained(tmp_path / "target")
+    tokenizer.save_pretrained(tmp_path / "target")
+    ConFuAssistant.from_config(ConFuDraftConfig.for_target(target, draft_vocab_size=64), target).save_pretrained(
+        tmp_path / "draft")
+    out = tmp_path / "res" / "bench"
+    summary = main(["--target", str(tmp_path / "target"), "--drafts", str(tmp_path / "draft"), "--questions",
+                    str(write_questions(tmp_path / "q.jsonl")), "--max-new-tokens", "12", "--trees", "3,2,5;2,1,3",
+                    "--prompt-lookup", "3", "--out", str(out)])
+    methods = ["generate", "prompt_lookup3", "eagle3:draft:d3k2n5", "eagle3:draft:d2k1n3"]
+    assert list(summary["table"]) == methods
+    assert summary["mismatches"] == {}
+    for name in methods:
+        cell = summary["table"][name]["overall"]
+        assert set(cell) >= {"tau", "tokens_per_s", "speedup", "identical"} and cell["identical"] is True
+        rows = [json.loads(line) for line in (tmp_path / "res" / "bench_answers" / f"{name.replace(':', '_')}.jsonl")
+                .read_text().splitlines()]
+        assert len(rows) == 4
+        choice = rows[1]["choices"][0]
+        assert {"question_id", "category", "model_id", "choices"} <= set(rows[1])
+        assert len(choice["turns"]) == len(choice["new_tokens"]) == len(choice["wall_time"]) == 2
+        assert all(1 <= a for a in choice["accept_lengths"])
+    assert summary["table"]["generate"]["overall"]["speedup"] == 1.0
+    assert set(summary["table"]["generate"]) == {"qa", "math", "overall"}
+    assert (out.with_suffix(".png")).stat().st_size > 1000 and "| method |" in out.with_suffix(".md").read_text()
+
+
+def test_equality_check_catches_a_lossy_method(tmp_path):
+    target, tokenizer = tiny_target(), tiny_tokenizer()
+    methods = build_methods(target, [], [], dict(do_sample=False), None)
+
+    def lossy(ids, n):  # greedy, but the 4th new token is replaced
+        out = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False)
+        out[0, ids.shape[1] + 3] = (out[0, ids.shape[1] + 3] + 1) % 128
+        return out, None
+
+    methods.append(Method("lossy", lossy))
+    questions = [json.loads(line) for line in write_questions(tmp_path / "q.jsonl").read_text().splitlines()]
+    records, mismatches = run_bench(target, tokenizer, methods, questions, 8, 0, greedy=True)
+    assert [m["position"] for m in mismatches["lossy"] if m["turn"] == 0] == [3, 3, 3, 3]
+    assert all(m["top2_logit_gap"] > 0 for m in mismatches["lossy"] if m["turn"] == 0)
+    table = summarize(records, True, mismatches)
+    assert table["lossy"]["overall"]["identical"] is False and table["generate"]["overall"]["identical"] is True
