@@ -15,6 +15,7 @@ import os
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from transformers import GenerationConfig, PreTrainedModel
 
 from .configuration_confu import ConFuDraftConfig
@@ -85,8 +86,7 @@ class ConFuAssistant:
     ) -> "ConFuAssistant":
         """Load a draft (local folder or Hub id) for `target_model`; tree options go to the budget."""
         tree = {k: kwargs.pop(k) for k in ("depth", "top_k", "total_tokens") if k in kwargs}
-        draft = ConFuDraftModel.from_pretrained(path_or_id, **kwargs)
-        return cls(draft, target_model, **tree)
+        return cls(load_draft(path_or_id, **kwargs), target_model, **tree)
 
     @classmethod
     def from_config(cls, config: ConFuDraftConfig, target_model: PreTrainedModel, **tree: int) -> "ConFuAssistant":
@@ -126,6 +126,25 @@ class ConFuAssistant:
             target, drafter, self.draft.config.feature_layers, input_ids, config, max_new, self.stats,
             tokenizer, streamer,
         )
+
+
+def load_draft(path_or_id: str | os.PathLike, **kwargs: Any) -> ConFuDraftModel:
+    """`ConFuDraftModel.from_pretrained` (folder or Hub id; `revision`, `cache_dir`, `token`, ...) that
+    refuses corrupt, truncated or incomplete checkpoints instead of filling missing weights at random."""
+    try:
+        draft, info = ConFuDraftModel.from_pretrained(path_or_id, output_loading_info=True, **kwargs)
+    except (OSError, ValueError, RuntimeError, SafetensorError) as err:
+        raise OSError(
+            f"Could not load a ConFu draft from {str(path_or_id)!r}: {err}. The checkpoint may be corrupt or "
+            "incomplete: download or save it again (it needs config.json and model.safetensors)."
+        ) from err
+    missing = info.get("missing_keys") or []
+    if missing:
+        raise OSError(
+            f"The draft checkpoint {str(path_or_id)!r} lacks weights {sorted(missing)[:5]}"
+            f"{' ...' if len(missing) > 5 else ''}: it is incomplete or was saved by another model."
+        )
+    return draft
 
 
 def _wrap_generate(model: PreTrainedModel) -> None:

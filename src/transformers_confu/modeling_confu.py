@@ -127,5 +127,5 @@ class ConFuDraftModel(PreTrainedModel):
 
 ConFuDraftConfig.register_for_auto_class()
 ConFuDraftModel.register_for_auto_class("AutoModel")
-AutoConfig.register("confu_draft", ConFuDraftConfig)
-AutoModel.register(ConFuDraftConfig, ConFuDraftModel)
+AutoConfig.register("confu_draft", ConFuDraftConfig, exist_ok=True)
+AutoModel.register(ConFuDraftConfig, ConFuDraftModel, exist_ok=True)

@@ -1,0 +1,94 @@
+"""Checkpoints: Hub ids through the local cache (offline), remote code, corrupt and foreign checkpoints."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from conftest import tiny_target
+
+from transformers_confu import ConFuAssistant, ConFuDraftConfig
+
+
+@pytest.fixture
+def saved(tmp_path):
+    target = tiny_target()
+    assistant = ConFuAssistant.from_config(ConFuDraftConfig.for_target(target, draft_vocab_size=64), target)
+    assistant.save_pretrained(tmp_path / "draft")
+    target.save_pretrained(tmp_path / "target")
+    return tmp_path, assistant
+
+
+def fake_hub_cache(root, repo_id: str, folder, commit: str = "a" * 40):
+    """Lay out `folder` as huggingface_hub's cache would after a download of `repo_id`."""
+    repo = root / f"models--{repo_id.replace('/', '--')}"
+    snapshot = repo / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    for f in folder.iterdir():
+        (snapshot / f.name).write_bytes(f.read_bytes())
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    return root
+
+
+def run_python(code: str, **env) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                          env={**os.environ, **env}, timeout=300)
+
+
+def test_hub_id_loads_offline_from_the_cache(saved):
+    tmp_path, _ = saved
+    cache = fake_hub_cache(tmp_path / "hub", "someone/tiny-confu-draft", tmp_path / "draft")
+    result = run_python(f"""
+        import torch
+        from transformers import AutoModelForCausalLM
+        from transformers_confu import ConFuAssistant
+        target = AutoModelForCausalLM.from_pretrained({str(tmp_path / "target")!r})
+        a = ConFuAssistant.from_pretrained("someone/tiny-confu-draft", target_model=target)
+        b = ConFuAssistant.from_pretrained("someone/tiny-confu-draft", target_model=target, revision={"a" * 40!r},
+                                           cache_dir={str(cache)!r})
+        print("LOADED", a.draft.config.draft_vocab_size, torch.equal(a.draft.fc.weight, b.draft.fc.weight))
+    """, HF_HUB_OFFLINE="1", HF_HUB_CACHE=str(cache))
+    assert "LOADED 64 True" in result.stdout, result.stderr[-2000:]
+
+
+def test_checkpoint_loads_with_remote_code_without_the_package(saved):
+    tmp_path, assistant = saved
+    result = run_python(f"""
+        import sys
+        sys.modules["transformers_confu"] = None  # the package is not installed
+        from transformers import AutoModel
+        draft = AutoModel.from_pretrained({str(tmp_path / "draft")!r}, trust_remote_code=True)
+        print("LOADED", type(draft).__name__, float(draft.fc.weight.sum()))
+    """, HF_HUB_OFFLINE="1")
+    assert f"LOADED ConFuDraftModel {float(assistant.draft.fc.weight.sum())}" in result.stdout, result.stderr[-2000:]
+
+
+def test_truncated_checkpoint_raises_a_clear_error(saved):
+    tmp_path, _ = saved
+    weights = tmp_path / "draft" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    with pytest.raises(OSError, match="corrupt or incomplete"):
+        ConFuAssistant.from_pretrained(tmp_path / "draft", target_model=tiny_target())
+
+
+def test_checkpoint_missing_weights_raises(saved):
+    from safetensors.torch import load_file, save_file
+
+    tmp_path, _ = saved
+    weights = tmp_path / "draft" / "model.safetensors"
+    tensors = load_file(weights)
+    del tensors["fc.weight"]
+    save_file(tensors, weights, metadata={"format": "pt"})
+    with pytest.raises(OSError, match="lacks weights"):
+        ConFuAssistant.from_pretrained(tmp_path / "draft", target_model=tiny_target())
+
+
+def test_draft_for_another_target_raises(saved):
+    tmp_path, _ = saved
+    with pytest.raises(ValueError, match="different target"):
+        ConFuAssistant.from_pretrained(tmp_path / "draft", target_model=tiny_target(arch="qwen2"))
