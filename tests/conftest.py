@@ -34,6 +34,36 @@ def tiny_tokenizer(vocab_size: int = 128) -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", chat_template=chat)
 
 
+CHATML = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+CORPUS = [
+    "What is 2 + 3? The answer is 5.",
+    "Write a Python function that adds two numbers: def add(a, b): return a + b",
+    "Hello there! How are you today? I am fine, thank you.",
+    "Natalia sold 48 clips in April and half as many in May.",
+    "user assistant system\n",
+]
+
+
+def chat_tokenizer() -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer (about 400 tokens) with a ChatML template, trained in code."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=True)
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+    )
+    tok.train_from_iterator(CORPUS * 5, trainer=trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>",
+                                   pad_token="<|endoftext|>", chat_template=CHATML)
+
+
 @pytest.fixture(params=sorted(ARCHS))
 def arch(request) -> str:
     return request.param

@@ -5,8 +5,8 @@ from pathlib import Path
 import datasets
 import pytest
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from conftest import chat_tokenizer
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from transformers_confu.data import (
     DataCollatorForDraft,
@@ -17,39 +17,9 @@ from transformers_confu.data import (
 )
 
 REAL_DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "train"
-CHATML = (
-    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
-    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
-CORPUS = [
-    "What is 2 + 3? The answer is 5.",
-    "Write a Python function that adds two numbers: def add(a, b): return a + b",
-    "Hello there! How are you today? I am fine, thank you.",
-    "Natalia sold 48 clips in April and half as many in May.",
-    "user assistant system\n",
-]
-
-
 @pytest.fixture(scope="module")
 def tokenizer():
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.post_processor = processors.ByteLevel(trim_offsets=True)
-    trainer = trainers.BpeTrainer(
-        vocab_size=400,
-        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(CORPUS * 5, trainer=trainer)
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        bos_token="<|im_start|>",
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        chat_template=CHATML,
-    )
+    return chat_tokenizer()
 
 
 def _write_fixtures(d: Path) -> None:

@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> None:
         adam_beta1=0.9, adam_beta2=0.95, max_grad_norm=0.5, weight_decay=0.0, lr_scheduler_type="cosine",
         logging_steps=10, save_strategy="steps", save_steps=estimate_save_steps(args, len(dataset)),
         save_total_limit=2, train_sampling_strategy="group_by_length", length_column_name="length", seed=args.seed,
-        dataloader_num_workers=0, report_to=[], disable_tqdm=False,
+        dataloader_num_workers=0, dataloader_pin_memory=torch.cuda.is_available(), report_to=[], disable_tqdm=False,
     )
     dataset = dataset.map(lambda row: {"length": len(row["input_ids"])})
     trainer = ConFuTrainer(

