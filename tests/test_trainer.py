@@ -56,15 +56,6 @@ def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) 
         torch.testing.assert_close(a[key], b[key], atol=1e-6, rtol=0, msg=key)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models run fastest on one thread, and do not fight other processes for the cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def saved_run(tmp_path_factory):
     """4 uninterrupted steps with a checkpoint after step 2; returns (output_dir, final weights)."""

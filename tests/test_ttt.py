@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, PreTrainedModel, Qwen2Config, Qwen2ForCausalLM
+import conftest
+from transformers import DynamicCache, PreTrainedModel
 
 from transformers_confu import ConFuDraftConfig, ConFuDraftModel
 from transformers_confu.ttt import (
@@ -17,23 +18,12 @@ from transformers_confu.ttt import (
     ttt_valid_positions,
 )
 
-FAMILIES = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}
 VOCAB, DRAFT_VOCAB, LENGTH = 128, 64, 12
 
 
 def tiny_target(family: str = "llama", seed: int = 0, tie_word_embeddings: bool = False) -> PreTrainedModel:
-    """A random 4-layer target: vocab 128, hidden 32, 4 heads, 2 KV heads.
-
-    Large initial weights give peaked next-token distributions, so there is something to learn.
-    """
-    config_cls, model_cls = FAMILIES[family]
-    config = config_cls(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tie_word_embeddings,
-        initializer_range=0.5,
-    )
-    torch.manual_seed(seed)
-    return model_cls(config).eval()
+    """A random 4-layer target whose large initial weights give peaked distributions: something to learn."""
+    return conftest.tiny_target(family, vocab_size=VOCAB, seed=seed, init=0.5, tie_word_embeddings=tie_word_embeddings)
 
 
 def tiny_draft(target: PreTrainedModel, seed: int = 1) -> ConFuDraftModel:
@@ -54,16 +44,7 @@ def tiny_batch(batch: int = 2, length: int = LENGTH, seed: int = 2) -> dict[str,
     return {"input_ids": input_ids, "loss_mask": loss_mask, "attention_mask": torch.ones_like(input_ids)}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models run fastest on one thread, and do not fight other processes for the cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(params=sorted(FAMILIES))
+@pytest.fixture(params=sorted(conftest.ARCHS))
 def setup(request):
     target = tiny_target(request.param)
     draft = tiny_draft(target)
@@ -79,7 +60,7 @@ def additive_causal_mask(length: int) -> torch.Tensor:
     return mask[None, None]
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("family", sorted(conftest.ARCHS))
 @pytest.mark.parametrize("tie", [False, True])
 def test_teacher_logits_equal_full_logits_restricted_to_draft_vocab(family, tie):
     target = tiny_target(family, tie_word_embeddings=tie)
