@@ -34,6 +34,32 @@ class Method:
     run: Callable[[torch.LongTensor, int], tuple[torch.LongTensor, list[int] | None]]
 
 
+AUTO_CANDIDATES = "2,1,3;3,1,4;3,2,5;4,1,5;4,2,6;5,2,8;6,2,10;6,4,16;8,4,30"
+
+
+def auto_tree(model, tokenizer, path: str, questions: list[dict], candidates: list[tuple[int, int, int]],
+              max_new_tokens: int, sampling: dict) -> tuple[tuple[int, int, int], dict]:
+    """Pick the tree budget with the most tokens/s for this draft on THIS machine.
+
+    Each candidate answers the first turn of the calibration questions; the measured tokens/s folds in both
+    the draft's acceptance at that budget and the machine's verify cost at that width.
+    """
+    speeds = {}
+    for budget in tqdm(candidates, desc="auto-tree calibration"):
+        depth, top_k, total = budget
+        assistant = ConFuAssistant.from_pretrained(path, target_model=model, depth=depth, top_k=top_k,
+                                                   total_tokens=total)
+        tokens = seconds = 0.0
+        for question in questions:
+            model.generate(chat_input_ids(tokenizer, question["turns"][:1]), max_new_tokens=max_new_tokens,
+                           assistant_model=assistant, **sampling)
+            tokens += assistant.stats.new_tokens
+            seconds += assistant.stats.total_seconds
+        speeds[f"d{depth}k{top_k}n{total}"] = tokens / seconds
+    best = max(candidates, key=lambda b: speeds[f"d{b[0]}k{b[1]}n{b[2]}"])
+    return best, speeds
+
+
 def build_methods(model, drafts: list[str], trees: list[tuple[int, int, int]], sampling: dict,
                   prompt_lookup: int | None) -> list[Method]:
     """Plain generate (the reference), prompt lookup, then every draft x tree budget."""
@@ -192,6 +218,10 @@ def run_bench(model, tokenizer, methods: list[Method], questions: list[dict], ma
     return records, dict(mismatches)
 
 
+def _budgets(text: str) -> list[tuple[int, int, int]]:
+    return [tuple(int(x) for x in t.split(",")) for t in text.split(";")]
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="confu-bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -203,6 +233,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (with the losslessness check)")
     p.add_argument("--trees", default="4,2,6", help="tree budgets 'depth,top_k,total_tokens;...'")
+    p.add_argument("--auto-tree", action="store_true",
+                   help="also run each draft with the budget that a calibration on this machine finds fastest")
+    p.add_argument("--auto-candidates", default=AUTO_CANDIDATES, help="budgets --auto-tree chooses from")
+    p.add_argument("--auto-questions", type=int, default=3, help="calibration questions (the first N)")
     p.add_argument("--prompt-lookup", type=int, default=10, help="prompt-lookup tokens (0 = leave it out)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="results/bench", help="output path prefix (.md, .json, .png, answers/)")
@@ -218,9 +252,16 @@ def main(argv=None) -> dict:
     model, tokenizer = load_target(args.target)
     greedy = args.temperature == 0
     sampling = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=args.temperature)
-    trees = [tuple(int(x) for x in t.split(",")) for t in args.trees.split(";")]
-    methods = build_methods(model, args.drafts, trees, sampling, args.prompt_lookup)
+    trees = _budgets(args.trees)
     questions = load_questions(args.questions, args.limit, args.per_category)
+    calibration = {}
+    if args.auto_tree:
+        for path in args.drafts:
+            best, speeds = auto_tree(model, tokenizer, path, questions[: args.auto_questions],
+                                     _budgets(args.auto_candidates), args.max_new_tokens, sampling)
+            calibration[path] = dict(chosen=best, tokens_per_s=speeds)
+            trees = trees + [best] if best not in trees else trees
+    methods = build_methods(model, args.drafts, trees, sampling, args.prompt_lookup)
     records, mismatches = run_bench(model, tokenizer, methods, questions, args.max_new_tokens, args.seed, greedy)
     table = summarize(records, greedy, mismatches)
     meta = dict(target=args.target, hardware=f"{platform.machine()} CPU, {torch.get_num_threads()} threads"
@@ -234,9 +275,13 @@ def main(argv=None) -> dict:
     for name, rows in records.items():
         with (answers / f"{name.replace(':', '_')}.jsonl").open("w") as f:
             f.writelines(json.dumps(row) + "\n" for row in rows)
-    summary = dict(meta=meta, table=table, mismatches=mismatches)
+    summary = dict(meta=meta, table=table, mismatches=mismatches, auto_tree=calibration)
     out.with_suffix(".json").write_text(json.dumps(summary, indent=2))
     text = markdown(table, meta)
+    for path, cal in calibration.items():
+        text += (f"\n## --auto-tree calibration for {Path(path).name}\n\nchosen d{cal['chosen'][0]}k{cal['chosen'][1]}"
+                 f"n{cal['chosen'][2]}; tokens/s per candidate: " +
+                 ", ".join(f"{k} {v:.2f}" for k, v in cal["tokens_per_s"].items()) + "\n")
     if mismatches:
         text += "\n## Mismatches against plain generate\n\n" + "\n".join(
             f"- {name}: {m}" for name, ms in mismatches.items() for m in ms) + "\n"
