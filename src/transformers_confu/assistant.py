@@ -97,6 +97,16 @@ class ConFuAssistant:
         """Save the draft (config + safetensors), loadable with `from_pretrained`."""
         self.draft.save_pretrained(path, **kwargs)
 
+    def push_to_hub(self, repo_id: str, model_card: str | None = None, **kwargs: Any) -> Any:
+        """Upload the draft (config, safetensors, remote code) to the Hub, with `model_card` as README.md."""
+        result = self.draft.push_to_hub(repo_id, **kwargs)
+        if model_card is not None:
+            from huggingface_hub import HfApi
+
+            HfApi(token=kwargs.get("token")).upload_file(path_or_fileobj=model_card.encode(), path_in_repo="README.md",
+                                                         repo_id=repo_id, repo_type="model")
+        return result
+
     def generate(self, target: PreTrainedModel, input_ids: torch.LongTensor | None = None, **kwargs: Any):
         """Run tree speculative decoding; called through `target.generate(assistant_model=self)`."""
         if target is not self.target:
