@@ -162,6 +162,7 @@ def test_plain_generate_untouched_by_wrapping():
         (dict(max_new_tokens=600), "context"),
         (dict(stop_strings=["x"]), "tokenizer"),
         (dict(tree_total_tokens=0), "Tree budget"),
+        (dict(tree_top_k=65), "exceeds the draft vocabulary"),
         (dict(return_dict_in_generate=True), "return_dict_in_generate"),
     ],
 )

@@ -125,6 +125,9 @@ class ConFuAssistant:
         )
         if min(budget.depth, budget.top_k, budget.total_tokens) < 1:
             raise ValueError(f"Tree budget values must be >= 1, got {budget}.")
+        if budget.top_k > self.draft.config.draft_vocab_size:
+            raise ValueError(f"Tree budget top_k={budget.top_k} exceeds the draft vocabulary "
+                             f"({self.draft.config.draft_vocab_size}).")
         _check_attention_mask(kwargs.pop("attention_mask", None))
         tokenizer, streamer = kwargs.pop("tokenizer", None), kwargs.pop("streamer", None)
         config = _generation_config(target, kwargs)
