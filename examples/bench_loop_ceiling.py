@@ -53,15 +53,15 @@ def verify_cost(model, context: int, widths: list[int], repeats: int) -> dict[in
 
 def oracle_speed(model, tokenizer, prompts, budgets, max_new_tokens: int) -> list[dict]:
     """Plain greedy `generate` vs the loop with an oracle draft, interleaved per prompt."""
-    config = GenerationConfig(do_sample=False, eos_token_id=None, pad_token_id=tokenizer.eos_token_id)
+    config = GenerationConfig(do_sample=False, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id,
+                              max_new_tokens=max_new_tokens)
     rows = {"generate": dict(method="generate", seconds=0.0, tokens=0)}
     for depth, total in budgets:
         rows[(depth, total)] = dict(method=f"oracle d{depth} n{total}", seconds=0.0, tokens=0, forwards=0,
                                     accepted=0, other=0.0)
     for ids in tqdm(prompts, desc="oracle vs generate"):
         start = time.perf_counter()
-        reference = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config,
-                                   max_new_tokens=max_new_tokens)
+        reference = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
         rows["generate"]["seconds"] += time.perf_counter() - start
         rows["generate"]["tokens"] += reference.shape[1] - ids.shape[1]
         for depth, total in budgets:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import tiny_target, tiny_tokenizer
-from transformers import DynamicCache
+from transformers import DynamicCache, GenerationConfig
 
 from transformers_confu import ConFuAssistant, ConFuDraftConfig
 from transformers_confu.cache import cache_kwargs, keep_path
@@ -172,6 +172,20 @@ def test_unsupported_inputs_raise_clear_errors(kwargs, match):
     kwargs = {"input_ids": torch.ones(1, 4, dtype=torch.long), "max_new_tokens": 5, **kwargs}
     with pytest.raises((ValueError, TypeError), match=match):
         target.generate(assistant_model=assistant, **kwargs)
+
+
+@pytest.mark.parametrize("kwargs", [dict(do_sample=True), dict(do_sample=True, temperature=0.5, top_p=0.9),
+                                    dict(max_new_tokens=7), dict(generation_config=GenerationConfig(top_k=3))])
+def test_generation_config_merged_as_generate_does(kwargs):
+    """Same settings as plain generate, including its global defaults (top_k=50 when sampling)."""
+    from transformers_confu.assistant import _generation_config
+
+    target = tiny_target()
+    target.generation_config.eos_token_id = 5
+    ours = _generation_config(target, dict(kwargs))
+    theirs, _ = target._prepare_generation_config(kwargs.pop("generation_config", None), **kwargs)
+    assert ours.to_dict() == theirs.to_dict()
+    assert ours.eos_token_id == 5 and (not ours.do_sample or ours.top_k in (50, 3))
 
 
 def test_unknown_generate_argument_raises():

@@ -37,6 +37,13 @@ _UNSUPPORTED = {
     "epsilon_cutoff": (None, 0.0),
     "eta_cutoff": (None, 0.0),
     "top_h": (None,),
+    "suppress_tokens": (None,),
+    "begin_suppress_tokens": (None,),
+    "forced_bos_token_id": (None,),
+    "forced_eos_token_id": (None,),
+    "exponential_decay_length_penalty": (None,),
+    "guidance_scale": (None, 1.0),
+    "watermarking_config": (None,),
     "return_dict_in_generate": (None, False),
     "output_scores": (None, False),
     "output_logits": (None, False),
@@ -182,8 +189,11 @@ def _check_attention_mask(mask: torch.Tensor | None) -> None:
 
 
 def _generation_config(target: PreTrainedModel, kwargs: dict[str, Any]) -> GenerationConfig:
-    """Merge `generation_config=` / keyword overrides onto the target's config, as `generate` does."""
-    config = copy.deepcopy(kwargs.pop("generation_config", None) or target.generation_config)
+    """Merge `generation_config=`, the target's generation config, transformers' global defaults (e.g.
+    `top_k=50` when sampling) and keyword overrides, in the order `generate` does."""
+    config = copy.deepcopy(kwargs.pop("generation_config", None) or GenerationConfig())
+    config.update(**target.generation_config.to_dict(), defaults_only=True, allow_custom_entries=True)
+    config.update(**target.generation_config._get_default_generation_params(), defaults_only=True)
     unused = config.update(**kwargs)
     unused.pop("use_cache", None)
     if unused:

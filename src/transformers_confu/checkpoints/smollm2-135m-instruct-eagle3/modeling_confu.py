@@ -1,0 +1,131 @@
+"""The ConFu / EAGLE-3 draft head: fused target features, one decoder layer of the target's family,
+a reduced-vocabulary LM head.
+
+Shapes: B batch, T tokens, H the target's hidden size, V the target vocabulary, D the draft vocabulary.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import AutoConfig, AutoModel, PreTrainedModel
+
+from .configuration_confu import ConFuDraftConfig
+
+
+def build_family_layer(config: ConFuDraftConfig) -> tuple[nn.Module, nn.Module, type]:
+    """Build one decoder layer and the rotary embedding of the target's family.
+
+    The layer's q/k/v projections are widened to take `[embedding; feature]` (2H) as EAGLE-3 does.
+    Returns `(layer, rotary_emb, norm_class)`.
+    """
+    family = AutoConfig.for_model(
+        config.target_model_type, **config.layer_config,
+        num_hidden_layers=1,
+        vocab_size=1,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
+    family._attn_implementation = "sdpa"
+    base = AutoModel.from_config(family, attn_implementation="sdpa")
+    layer = base.layers[0]
+    attn = layer.self_attn
+    for name in ("q_proj", "k_proj", "v_proj"):
+        old: nn.Linear = getattr(attn, name)
+        setattr(attn, name, nn.Linear(2 * old.in_features, old.out_features, bias=old.bias is not None))
+    return layer, base.rotary_emb, type(base.norm)
+
+
+class ConFuDraftModel(PreTrainedModel):
+    """EAGLE-3 draft head (ConFu's future token is switched by `config.contemplate`).
+
+    The token embedding is the target's, frozen and not part of this model's weights: attach it
+    with `attach_target` (the assistant does this). `d2t` maps draft ids to target ids; `t2d`
+    marks the target ids the draft can emit.
+    """
+
+    config_class = ConFuDraftConfig
+    base_model_prefix = "draft"
+    _supports_sdpa = True
+
+    def __init__(self, config: ConFuDraftConfig) -> None:
+        super().__init__(config)
+        hidden = config.hidden_size
+        layer, self.rotary_emb, norm_cls = build_family_layer(config)
+        eps = config.layer_config.get("rms_norm_eps", 1e-6)
+        self.fc = nn.Linear(3 * hidden, hidden, bias=False)
+        self.input_norm = norm_cls(hidden, eps=eps)
+        self.hidden_norm = norm_cls(hidden, eps=eps)
+        self.self_attn = layer.self_attn
+        self.post_attention_layernorm = layer.post_attention_layernorm
+        self.mlp = layer.mlp
+        self.norm = norm_cls(hidden, eps=eps)
+        self.lm_head = nn.Linear(hidden, config.draft_vocab_size, bias=False)
+        self.register_buffer("d2t", torch.arange(config.draft_vocab_size), persistent=True)
+        t2d = torch.zeros(config.vocab_size, dtype=torch.bool)
+        t2d[: config.draft_vocab_size] = True
+        self.register_buffer("t2d", t2d, persistent=True)
+        self._target_embeddings: list[nn.Module] = []  # a list keeps it out of state_dict
+        self.post_init()
+
+    def attach_target(self, target: PreTrainedModel) -> None:
+        """Check `target` against the config and borrow its (frozen) input embedding."""
+        self.config.check_target(target)
+        self._target_embeddings[:] = [target.get_input_embeddings()]
+
+    def set_vocab_map(self, draft_to_target: torch.Tensor) -> None:
+        """Set the draft vocabulary: `draft_to_target[i]` is the target id of draft id `i`."""
+        if draft_to_target.numel() != self.config.draft_vocab_size:
+            raise ValueError(
+                f"Expected {self.config.draft_vocab_size} target ids, got {draft_to_target.numel()}."
+            )
+        self.d2t.copy_(draft_to_target.to(self.d2t))
+        self.t2d.zero_()
+        self.t2d[self.d2t] = True
+
+    def embed(self, input_ids: torch.LongTensor) -> torch.Tensor:
+        """The target's embedding of `input_ids` (no gradient)."""
+        if not self._target_embeddings:
+            raise RuntimeError("No target attached: call `draft.attach_target(target_model)` first.")
+        with torch.no_grad():
+            return self._target_embeddings[0](input_ids).to(self.fc.weight.dtype)
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor,
+        hidden_states: torch.Tensor,
+        position_ids: torch.LongTensor,
+        attention_mask: torch.Tensor,
+        cache=None,
+    ) -> torch.Tensor:
+        """One draft step over T positions.
+
+        Args:
+            input_ids: (B, T) the NEXT token at each position.
+            hidden_states: (B, T, 3H) fused target features, or (B, T, H) the draft's own outputs.
+            position_ids: (B, T) positions.
+            attention_mask: (B, 1, T, past + T) additive float mask (0 = attend, dtype min = not).
+            cache: optional `DynamicCache` for the draft's keys and values.
+
+        Returns:
+            (B, T, H) the draft's hidden states: the features of its next step; `logits()` maps them to
+            draft-vocabulary logits.
+        """
+        if hidden_states.shape[-1] != self.config.hidden_size:
+            hidden_states = self.fc(hidden_states)
+        x = torch.cat([self.input_norm(self.embed(input_ids)), self.hidden_norm(hidden_states)], dim=-1)
+        position_embeddings = self.rotary_emb(x, position_ids=position_ids)
+        attn, _ = self.self_attn(x, position_embeddings, attention_mask, cache)
+        hidden_states = hidden_states + attn
+        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+
+    def logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """(…, H) draft hidden states -> (…, D) draft-vocabulary logits."""
+        return self.lm_head(self.norm(hidden_states))
+
+
+ConFuDraftConfig.register_for_auto_class()
+ConFuDraftModel.register_for_auto_class("AutoModel")
+AutoConfig.register("confu_draft", ConFuDraftConfig, exist_ok=True)
+AutoModel.register(ConFuDraftConfig, ConFuDraftModel, exist_ok=True)
