@@ -153,7 +153,7 @@ def summarize(records: dict[str, list[dict]], greedy: bool, mismatches: dict[str
 
 
 def markdown(table: dict, meta: dict) -> str:
-    categories = list(next(iter(table.values())))
+    categories = [c for c in next(iter(table.values())) if c != "overall"] + ["overall"]
     lines = [f"# confu-bench: {meta['target']}, {meta['hardware']}", "",
              f"{meta['questions']} questions from `{meta['question_file']}`, max {meta['max_new_tokens']} new tokens, "
              f"temperature {meta['temperature']}, seed {meta['seed']}.", "", f"Command: `{meta['command']}`", "",
