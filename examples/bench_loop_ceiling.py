@@ -15,6 +15,7 @@ import argparse
 import json
 import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -123,7 +124,7 @@ def main() -> None:
         lines.append(f"| {row['method']} | {tau:.2f} | {row['tokens_per_s']:.1f} | {row['speedup']:.2f}x | "
                      f"{100 * over:.1f}% |" if tau else
                      f"| {row['method']} | 1.00 | {row['tokens_per_s']:.1f} | 1.00x | - |")
-    lines += ["", "Command: `python examples/bench_loop_ceiling.py --out results/loop_ceiling`", ""]
+    lines += ["", f"Command: `python examples/bench_loop_ceiling.py {' '.join(sys.argv[1:])}`", ""]
     out.with_suffix(".md").write_text("\n".join(lines))
     print("\n".join(lines))
 

@@ -103,7 +103,9 @@ def answer(method: Method, tokenizer, question: dict, max_new_tokens: int, seed:
         ids_out.append((ids, new))
         texts.append(tokenizer.decode(new, skip_special_tokens=True))
         new_tokens.append(int(new.numel()))
-        accepts.append(accept if accept is not None else [1] * max(int(new.numel()) - 1, 0))
+        if accept is None and method.name == "generate":  # one token per target pass, by definition
+            accept = [1] * max(int(new.numel()) - 1, 0)
+        accepts.append(accept or [])
     return dict(question_id=question["question_id"], category=question["category"], model_id=method.name,
                 choices=[dict(index=0, turns=texts, new_tokens=new_tokens, wall_time=times,
                               accept_lengths=[a for turn in accepts for a in turn],
@@ -142,7 +144,7 @@ def summarize(records: dict[str, list[dict]], greedy: bool, mismatches: dict[str
             seconds = sum(sum(c["wall_time"]) for c in choices)
             accepts = [a for c in choices for a in c["accept_lengths"]]
             table[name][category] = dict(tokens=tokens, seconds=seconds, tokens_per_s=tokens / seconds,
-                                         tau=sum(accepts) / max(len(accepts), 1))
+                                         tau=sum(accepts) / len(accepts) if accepts else None)
     for name in table:
         for category, cell in table[name].items():
             cell["speedup"] = cell["tokens_per_s"] / table["generate"][category]["tokens_per_s"]
@@ -157,17 +159,22 @@ def markdown(table: dict, meta: dict) -> str:
     lines = [f"# confu-bench: {meta['target']}, {meta['hardware']}", "",
              f"{meta['questions']} questions from `{meta['question_file']}`, max {meta['max_new_tokens']} new tokens, "
              f"temperature {meta['temperature']}, seed {meta['seed']}.", "", f"Command: `{meta['command']}`", "",
+             "tau: tokens per target pass (n/a where transformers does not report it).", "",
              "## Overall", "", "| method | tau | tokens/s | speed-up | identical to generate |", "|---|---|---|---|---|"]
     for name, cells in table.items():
         c = cells["overall"]
-        lines.append(f"| {name} | {c['tau']:.2f} | {c['tokens_per_s']:.2f} | {c['speedup']:.2f}x | "
+        lines.append(f"| {name} | {_tau(c)} | {c['tokens_per_s']:.2f} | {c['speedup']:.2f}x | "
                      f"{c.get('identical', 'n/a (sampling)')} |")
     lines += ["", "## Speed-up (tau) per category", "", "| method | " + " | ".join(categories) + " |",
               "|---" * (len(categories) + 1) + "|"]
     for name, cells in table.items():
-        lines.append(f"| {name} | " + " | ".join(f"{cells[c]['speedup']:.2f}x ({cells[c]['tau']:.2f})"
+        lines.append(f"| {name} | " + " | ".join(f"{cells[c]['speedup']:.2f}x ({_tau(cells[c])})"
                                                  for c in categories) + " |")
     return "\n".join(lines) + "\n"
+
+
+def _tau(cell: dict) -> str:
+    return "n/a" if cell["tau"] is None else f"{cell['tau']:.2f}"
 
 
 def plot(table: dict, records: dict, out: Path) -> None:
@@ -183,7 +190,7 @@ def plot(table: dict, records: dict, out: Path) -> None:
     for i, name in enumerate(names):
         xs = [j + i * width for j in range(len(categories))]
         axes[0].bar(xs, [table[name][c]["speedup"] for c in categories], width, label=name)
-        axes[1].bar(xs, [table[name][c]["tau"] for c in categories], width, label=name)
+        axes[1].bar(xs, [table[name][c]["tau"] or 0 for c in categories], width, label=name)
         accepts = [a for row in records[name] for a in row["choices"][0]["accept_lengths"]]
         if accepts:
             axes[2].hist(accepts, bins=range(1, max(accepts) + 2), alpha=0.5, label=name, align="left")

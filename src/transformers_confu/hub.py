@@ -64,7 +64,8 @@ def model_card(draft_dir: str | Path, base_model: str, bench: dict | None = None
                   "| method | tau | tokens/s | speed-up | identical to generate |", "|---|---|---|---|---|"]
         for name, cells in bench["table"].items():
             c = cells["overall"]
-            lines.append(f"| {name} | {c['tau']:.2f} | {c['tokens_per_s']:.2f} | {c['speedup']:.2f}x | "
+            tau = "n/a" if c["tau"] is None else f"{c['tau']:.2f}"
+            lines.append(f"| {name} | {tau} | {c['tokens_per_s']:.2f} | {c['speedup']:.2f}x | "
                          f"{c.get('identical', 'n/a')} |")
         lines += ["", f"Command: `{meta['command']}`", ""]
     lines += ["## Limits", "", "- batch size 1; greedy and temperature/top-k/top-p/min-p sampling",
