@@ -8,7 +8,6 @@ import sys
 import textwrap
 
 import pytest
-import torch
 from conftest import tiny_target
 
 from transformers_confu import ConFuAssistant, ConFuDraftConfig

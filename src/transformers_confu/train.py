@@ -79,7 +79,7 @@ def build_draft(args: argparse.Namespace, target, dataset) -> ConFuDraftModel:
     return draft
 
 
-def estimate_save_steps(args: argparse.Namespace, n_rows: int) -> int:
+def estimate_save_steps(args: argparse.Namespace) -> int:
     """Checkpoint every ~`save_minutes`, from a rough CPU rate of 150 training tokens/s."""
     rows_per_minute = 150 * 60 / max(args.max_length / 2, 1)
     return max(10, int(args.save_minutes * rows_per_minute / (args.batch_size * args.grad_accum)))
@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> None:
         num_train_epochs=args.epochs, per_device_train_batch_size=args.batch_size,
         gradient_accumulation_steps=args.grad_accum, learning_rate=args.lr, warmup_steps=args.warmup_steps,
         adam_beta1=0.9, adam_beta2=0.95, max_grad_norm=0.5, weight_decay=0.0, lr_scheduler_type="cosine",
-        logging_steps=10, save_strategy="steps", save_steps=estimate_save_steps(args, len(dataset)),
+        logging_steps=10, save_strategy="steps", save_steps=estimate_save_steps(args),
         save_total_limit=2, train_sampling_strategy="group_by_length", length_column_name="length", seed=args.seed,
         dataloader_num_workers=0, dataloader_pin_memory=torch.cuda.is_available(), report_to=[], disable_tqdm=False,
     )
