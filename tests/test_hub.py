@@ -91,3 +91,12 @@ def test_draft_for_another_target_raises(saved):
     tmp_path, _ = saved
     with pytest.raises(ValueError, match="different target"):
         ConFuAssistant.from_pretrained(tmp_path / "draft", target_model=tiny_target(arch="qwen2"))
+
+
+def test_shipped_draft_remote_code_matches_the_package():
+    """The shipped folder carries copies of the modeling code for remote-code loading: they must not drift."""
+    from transformers_confu.target import DEFAULT_DRAFT
+
+    package = DEFAULT_DRAFT.parents[1]
+    for name in ("configuration_confu.py", "modeling_confu.py"):
+        assert (DEFAULT_DRAFT / name).read_text() == (package / name).read_text(), name

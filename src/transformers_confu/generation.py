@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -89,12 +90,15 @@ class _Target:
     def __init__(self, model: PreTrainedModel, feature_layers: list[int]) -> None:
         self.model, self.layers = model, feature_layers
         self.cache = DynamicCache(config=model.config)
-        self.cache_kwargs = cache_kwargs(model, self.cache)
+        self.kwargs = cache_kwargs(model, self.cache)
+        self.keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
 
-    def __call__(self, ids, positions=None, mask=None) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, ids, positions=None, mask=None, last_only=False) -> tuple[torch.Tensor, torch.Tensor]:
+        """`last_only`: the next-token logits of the last position only (the prefill needs no more)."""
+        kwargs = {**self.kwargs, "logits_to_keep": 1} if last_only and self.keeps_logits else self.kwargs
         out = self.model(
             input_ids=ids, position_ids=positions, attention_mask=mask, use_cache=True,
-            output_hidden_states=True, **self.cache_kwargs,
+            output_hidden_states=True, **kwargs,
         )
         features = torch.cat([out.hidden_states[i] for i in self.layers], dim=-1)
         return out.logits[0], features
@@ -114,10 +118,15 @@ def _append(output, tokens, criteria, streamer) -> tuple[torch.LongTensor, bool]
     return output, stopped
 
 
+def _probs(logits: torch.Tensor, warpers: LogitsProcessorList) -> torch.Tensor:
+    """(N, V) logits -> the processed next-token probabilities that `generate` samples from."""
+    return torch.softmax(warpers(None, logits.float()), -1)
+
+
 def _select_token(logits: torch.Tensor, warpers: LogitsProcessorList | None) -> int:
     if warpers is None:
         return int(logits.argmax())
-    return int(torch.multinomial(torch.softmax(warpers(None, logits[None].float())[0], -1), 1))
+    return int(torch.multinomial(_probs(logits[None], warpers)[0], 1))
 
 
 @torch.no_grad()
@@ -142,7 +151,7 @@ def speculative_generate(
         streamer.put(input_ids.cpu())
 
     t0 = time.perf_counter()
-    logits, features = verify(input_ids)
+    logits, features = verify(input_ids, last_only=True)
     stats.verify_seconds += time.perf_counter() - t0
     token = _select_token(logits[-1], warpers)
     output, stopped = _append(input_ids, [token], criteria, streamer)
@@ -160,7 +169,7 @@ def speculative_generate(
         if warpers is None:
             path, token = accept_greedy(tree, logits)
         else:
-            path, token = accept_sampling(tree, torch.softmax(warpers(None, logits.float()), -1), drafter.d2t)
+            path, token = accept_sampling(tree, _probs(logits, warpers), drafter.d2t)
         keep_path(verify.cache, length, path)
         accepted = tree.tokens[path[1:]].tolist() + [token]
         stats.draft_seconds += t1 - t0
