@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
 
 ARCHS = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}
 
@@ -24,7 +30,7 @@ def tiny_target(arch: str = "llama", vocab_size: int = 128, seed: int = 0, init:
 
 def tiny_tokenizer(vocab_size: int = 128) -> PreTrainedTokenizerFast:
     """A word-level tokenizer whose token i is the string `t{i} ` (so stop strings can be matched)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     vocab = {f"t{i}": i for i in range(vocab_size - 1)}
     vocab["abcdef"] = vocab_size - 1  # StopStringCriteria probes the vocabulary with this prefix
@@ -50,7 +56,14 @@ CORPUS = [
 
 def chat_tokenizer() -> PreTrainedTokenizerFast:
     """A byte-level BPE tokenizer (about 400 tokens) with a ChatML template, trained in code."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from tokenizers import (
+        Tokenizer,
+        decoders,
+        models,
+        pre_tokenizers,
+        processors,
+        trainers,
+    )
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

@@ -66,3 +66,20 @@ def test_equality_check_catches_a_lossy_method(tmp_path):
     assert all(m["top2_logit_gap"] > 0 for m in mismatches["lossy"] if m["turn"] == 0)
     table = summarize(records, True, mismatches)
     assert table["lossy"]["overall"]["identical"] is False and table["generate"]["overall"]["identical"] is True
+
+
+def test_bench_runs_a_confu_draft_in_each_mode_and_assisted_decoding(tmp_path):
+    target, tokenizer = tiny_target(), tiny_tokenizer()
+    target.save_pretrained(tmp_path / "target")
+    tokenizer.save_pretrained(tmp_path / "target")
+    tiny_target(seed=1).save_pretrained(tmp_path / "small")  # same vocabulary: usable as an assistant model
+    config = ConFuDraftConfig.for_target(target, draft_vocab_size=64, contemplate=True)
+    ConFuAssistant.from_config(config, target).save_pretrained(tmp_path / "confu")
+    summary = main(["--target", str(tmp_path / "target"), "--drafts", str(tmp_path / "confu"), "--questions",
+                    str(write_questions(tmp_path / "q.jsonl", n=2)), "--max-new-tokens", "10", "--trees", "3,2,5",
+                    "--prompt-lookup", "0", "--contemplate-nodes", "all,1,0", "--assistant-model",
+                    str(tmp_path / "small"), "--out", str(tmp_path / "bench")])
+    names = ["generate", "assisted", "confu:confu:d3k2n5", "confu-c1:confu:d3k2n5", "confu-off:confu:d3k2n5"]
+    assert list(summary["table"]) == names
+    assert summary["mismatches"] == {}
+    assert all(summary["table"][n]["overall"]["identical"] is True for n in names)

@@ -12,15 +12,21 @@ from transformers_confu.hub import model_card
 from transformers_confu.train import main
 
 
-def test_train_in_two_pieces_then_load(tmp_path):
+def saved_target_and_data(tmp_path, n_rows: int, extra: str = ""):
+    """A tiny chat target saved to `tmp_path/target` and `n_rows` GSM8K-style rows in `tmp_path/data`."""
     tokenizer = chat_tokenizer()
     target = tiny_target(vocab_size=len(tokenizer), init=0.5)
     target.save_pretrained(tmp_path / "target")
     tokenizer.save_pretrained(tmp_path / "target")
     data = tmp_path / "data"
     data.mkdir()
-    rows = [dict(question=f"What is {i} + 3?", answer=f"The answer is {i + 3}.") for i in range(24)]
-    (data / "gsm8k_train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + "{not json\n")
+    rows = [dict(question=f"What is {i} + 3?", answer=f"The answer is {i + 3}.") for i in range(n_rows)]
+    (data / "gsm8k_train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + extra)
+    return target, tokenizer, data
+
+
+def test_train_in_two_pieces_then_load(tmp_path):
+    target, tokenizer, data = saved_target_and_data(tmp_path, 24, extra="{not json\n")
     argv = ["--target", str(tmp_path / "target"), "--output-dir", str(tmp_path / "run"), "--data-dir", str(data),
             "--max-length", "64", "--batch-size", "4", "--draft-vocab-size", "64", "--epochs", "2",
             "--ttt-steps", "2", "--warmup-steps", "1", "--save-dtype", "float16"]
@@ -40,3 +46,31 @@ def test_train_in_two_pieces_then_load(tmp_path):
     card = model_card(tmp_path / "run" / "final", "tiny-llama")
     assert card.startswith("---\nlibrary_name: transformers-confu") and "- openai/gsm8k" in card
     assert "steps 12 of 12" in card and "confu-train --target" in card
+
+
+def test_confu_training_from_an_eagle3_draft_resumes_and_loads(tmp_path):
+    """`--contemplate --init-from <EAGLE-3 draft>`: the adapter is trained and saved beside the draft, an
+    interrupted run resumes both, and the result decodes losslessly."""
+    from transformers_confu.contemplate import ADAPTER_FOLDER
+
+    target, tokenizer, data = saved_target_and_data(tmp_path, 16)
+    common = ["--target", str(tmp_path / "target"), "--data-dir", str(data), "--max-length", "64",
+              "--batch-size", "4", "--draft-vocab-size", "64", "--ttt-steps", "2", "--warmup-steps", "1"]
+    main(common + ["--output-dir", str(tmp_path / "eagle3")])
+    argv = common + ["--output-dir", str(tmp_path / "confu"), "--init-from", str(tmp_path / "eagle3" / "final"),
+                     "--contemplate", "--soft-tokens", "4", "--con-experts", "4", "--epochs", "2"]
+    main(argv + ["--max-minutes", "0"])
+    checkpoint = tmp_path / "confu" / "checkpoint-1"
+    assert (checkpoint / ADAPTER_FOLDER / "model.safetensors").is_file()
+    main(argv)
+    record = json.loads((tmp_path / "confu" / "final" / "training_record.json").read_text())
+    assert record["finished"] is True and record["global_step"] == 8
+    assistant = ConFuAssistant.from_pretrained(tmp_path / "confu" / "final", target_model=target)
+    first = ConFuAssistant.from_pretrained(checkpoint, target_model=target)
+    assert assistant.draft.config.contemplate and assistant.adapter.num_soft_tokens == 4
+    assert not torch.allclose(assistant.adapter.soft_prompt, first.adapter.soft_prompt)  # trained after resuming
+    ids = torch.tensor([tokenizer.apply_chat_template([{"role": "user", "content": "What is 2 + 3?"}],
+                                                      add_generation_prompt=True, return_dict=True)["input_ids"]])
+    ref = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=10, do_sample=False,
+                          pad_token_id=0)
+    assert torch.equal(target.generate(ids, max_new_tokens=10, do_sample=False, assistant_model=assistant), ref)

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors import safe_open
+from test_ttt import tiny_batch, tiny_draft, tiny_target
 from transformers import TrainingArguments, default_data_collator
 
-from test_ttt import tiny_batch, tiny_draft, tiny_target
 from transformers_confu import ConFuDraftModel
 from transformers_confu.trainer import ConFuTrainer
 from transformers_confu.training_args import ConFuTrainingArguments

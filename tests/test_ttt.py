@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+import conftest
 import pytest
 import torch
-import conftest
 from transformers import DynamicCache, PreTrainedModel
 
 from transformers_confu import ConFuDraftConfig, ConFuDraftModel

@@ -12,6 +12,8 @@ from __future__ import annotations
 import copy
 import functools
 import os
+import tempfile
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -19,6 +21,7 @@ from safetensors import SafetensorError
 from transformers import GenerationConfig, PreTrainedModel
 
 from .configuration_confu import ConFuDraftConfig
+from .contemplate import ADAPTER_FOLDER, ContemplateAdapter
 from .generation import SpeculativeStats, TreeBudget, speculative_generate
 from .modeling_confu import ConFuDraftModel
 from .tree import TreeDrafter
@@ -62,12 +65,26 @@ class ConFuAssistant:
         budget: the default tree budget (`depth`, `top_k`, `total_tokens`); a call can override it with
             `tree_depth=`, `tree_top_k=`, `tree_total_tokens=`.
         stats: `SpeculativeStats` of the last `generate` call.
+        adapter: ConFu's `ContemplateAdapter` for the target (drafts with `contemplate=True`), else None.
+        contemplate_nodes: ConFu: how many tree nodes get a `[con]` (None: all, 0: none, i.e. the draft without
+            its future token); a call can override it with `contemplate_nodes=`.
     """
 
-    def __init__(self, draft: ConFuDraftModel, target_model: PreTrainedModel, **tree: int) -> None:
+    def __init__(self, draft: ConFuDraftModel, target_model: PreTrainedModel,
+                 adapter: ContemplateAdapter | None = None, contemplate_nodes: int | None = None, **tree: int) -> None:
+        if draft.config.contemplate and adapter is None:
+            raise ValueError("This is a ConFu draft (contemplate=True): it needs its ContemplateAdapter "
+                             f"(saved in {ADAPTER_FOLDER}/ beside the draft).")
+        if adapter is not None and not draft.config.contemplate:
+            raise ValueError("A ContemplateAdapter was given for an EAGLE-3 draft (contemplate=False).")
         draft.attach_target(target_model)
         weight = target_model.get_input_embeddings().weight
         self.draft = draft.to(device=weight.device, dtype=weight.dtype).eval().requires_grad_(False)
+        if adapter is not None:
+            adapter.check_target(target_model)
+            adapter = adapter.to(device=weight.device, dtype=weight.dtype).eval().requires_grad_(False)
+        self.adapter = adapter
+        self.contemplate_nodes = contemplate_nodes if contemplate_nodes is not None else draft.config.contemplate_nodes
         self.target = target_model
         cfg = draft.config
         self.budget = TreeBudget(
@@ -91,22 +108,34 @@ class ConFuAssistant:
     def from_pretrained(
         cls, path_or_id: str | os.PathLike, target_model: PreTrainedModel, **kwargs: Any
     ) -> "ConFuAssistant":
-        """Load a draft (local folder or Hub id) for `target_model`; tree options go to the budget."""
-        tree = {k: kwargs.pop(k) for k in ("depth", "top_k", "total_tokens") if k in kwargs}
-        return cls(load_draft(path_or_id, **kwargs), target_model, **tree)
+        """Load a draft (local folder or Hub id) for `target_model`, with its contemplate adapter if it is a
+        ConFu draft; `depth`/`top_k`/`total_tokens` go to the budget, `contemplate_nodes` as in the class."""
+        options = {k: kwargs.pop(k) for k in ("depth", "top_k", "total_tokens", "contemplate_nodes") if k in kwargs}
+        draft = load_draft(path_or_id, **kwargs)
+        adapter = load_adapter(path_or_id, **kwargs) if draft.config.contemplate else None
+        return cls(draft, target_model, adapter, **options)
 
     @classmethod
-    def from_config(cls, config: ConFuDraftConfig, target_model: PreTrainedModel, **tree: int) -> "ConFuAssistant":
-        """A randomly initialised (untrained) draft for `target_model`."""
-        return cls(ConFuDraftModel(config), target_model, **tree)
+    def from_config(cls, config: ConFuDraftConfig, target_model: PreTrainedModel, **options: Any) -> "ConFuAssistant":
+        """A randomly initialised (untrained) draft for `target_model` (and adapter, for a ConFu config)."""
+        adapter = ContemplateAdapter.for_target(target_model) if config.contemplate else None
+        return cls(ConFuDraftModel(config), target_model, adapter, **options)
 
     def save_pretrained(self, path: str | os.PathLike, **kwargs: Any) -> None:
-        """Save the draft (config + safetensors), loadable with `from_pretrained`."""
+        """Save the draft (config + safetensors) and a ConFu draft's adapter, loadable with `from_pretrained`."""
         self.draft.save_pretrained(path, **kwargs)
+        if self.adapter is not None:
+            self.adapter.save_to(path)
 
     def push_to_hub(self, repo_id: str, model_card: str | None = None, **kwargs: Any) -> Any:
-        """Upload the draft (config, safetensors, remote code) to the Hub, with `model_card` as README.md."""
+        """Upload the draft (config, safetensors, remote code, adapter) to the Hub, with `model_card` as README.md."""
         result = self.draft.push_to_hub(repo_id, **kwargs)
+        if self.adapter is not None:
+            from huggingface_hub import HfApi
+
+            with tempfile.TemporaryDirectory() as folder:
+                self.adapter.save_to(folder)
+                HfApi(token=kwargs.get("token")).upload_folder(folder_path=folder, repo_id=repo_id, repo_type="model")
         if model_card is not None:
             from huggingface_hub import HfApi
 
@@ -137,6 +166,9 @@ class ConFuAssistant:
                              f"({self.draft.config.draft_vocab_size}).")
         _check_attention_mask(kwargs.pop("attention_mask", None))
         tokenizer, streamer = kwargs.pop("tokenizer", None), kwargs.pop("streamer", None)
+        contemplate_nodes = kwargs.pop("contemplate_nodes", self.contemplate_nodes)
+        if contemplate_nodes is not None and contemplate_nodes < 0:
+            raise ValueError(f"contemplate_nodes={contemplate_nodes} must be >= 0 (or None for every node).")
         config = _generation_config(target, kwargs)
         max_new = _max_new_tokens(config, input_ids.shape[1], budget, target)
         self.stats = SpeculativeStats()
@@ -144,7 +176,7 @@ class ConFuAssistant:
         drafter = TreeDrafter(self.draft, budget.depth, budget.top_k, budget.total_tokens, temperature)
         return speculative_generate(
             target, drafter, self.draft.config.feature_layers, input_ids, config, max_new, self.stats,
-            tokenizer, streamer,
+            tokenizer, streamer, self.adapter, contemplate_nodes,
         )
 
 
@@ -165,6 +197,24 @@ def load_draft(path_or_id: str | os.PathLike, **kwargs: Any) -> ConFuDraftModel:
             f"{' ...' if len(missing) > 5 else ''}: it is incomplete or was saved by another model."
         )
     return draft
+
+
+def load_adapter(path_or_id: str | os.PathLike, revision: str | None = None, cache_dir: str | None = None,
+                 token: str | bool | None = None, **_: Any) -> ContemplateAdapter:
+    """The `contemplate_adapter/` of a ConFu draft (folder or Hub id), with a clear error if it is missing."""
+    folder = Path(path_or_id)
+    try:
+        if not folder.is_dir():
+            from huggingface_hub import snapshot_download
+
+            folder = Path(snapshot_download(str(path_or_id), revision=revision, cache_dir=cache_dir, token=token,
+                                            allow_patterns=[f"{ADAPTER_FOLDER}/*"]))
+        return ContemplateAdapter.from_pretrained(folder / ADAPTER_FOLDER)
+    except (OSError, ValueError, RuntimeError, SafetensorError) as err:
+        raise OSError(
+            f"Could not load the contemplate adapter of the ConFu draft {str(path_or_id)!r} from "
+            f"{ADAPTER_FOLDER}/ ({err}): the checkpoint is incomplete or corrupt; save or download it again."
+        ) from err
 
 
 def _wrap_generate(model: PreTrainedModel) -> None:

@@ -61,8 +61,11 @@ def auto_tree(model, tokenizer, path: str, questions: list[dict], candidates: li
 
 
 def build_methods(model, drafts: list[str], trees: list[tuple[int, int, int]], sampling: dict,
-                  prompt_lookup: int | None) -> list[Method]:
-    """Plain generate (the reference), prompt lookup, then every draft x tree budget."""
+                  prompt_lookup: int | None, contemplate_nodes: list[int | None] = (None,),
+                  assistant_model=None) -> list[Method]:
+    """Plain generate (the reference), prompt lookup, transformers' assisted decoding (with `assistant_model`),
+    then every draft x tree budget; a ConFu draft once per `contemplate_nodes` entry (None: a `[con]` on every
+    node, "confu"; m > 0: on the m likeliest path ends, "confu-c{m}"; 0: without its future token, "confu-off")."""
     ones = torch.ones_like
 
     def plain(ids, n):
@@ -72,19 +75,28 @@ def build_methods(model, drafts: list[str], trees: list[tuple[int, int, int]], s
     if prompt_lookup:
         methods.append(Method(f"prompt_lookup{prompt_lookup}", lambda ids, n: (model.generate(
             ids, attention_mask=ones(ids), max_new_tokens=n, prompt_lookup_num_tokens=prompt_lookup, **sampling), None)))
+    if assistant_model is not None:
+        methods.append(Method("assisted", lambda ids, n: (model.generate(
+            ids, attention_mask=ones(ids), max_new_tokens=n, assistant_model=assistant_model, **sampling), None)))
     for path in drafts:
         for depth, top_k, total in trees:
             assistant = ConFuAssistant.from_pretrained(path, target_model=model, depth=depth, top_k=top_k,
                                                        total_tokens=total)
-            mode = "confu" if assistant.draft.config.contemplate else "eagle3"
-            name = f"{mode}:{Path(path).name}:d{depth}k{top_k}n{total}"
-            methods.append(Method(name, _speculative(model, assistant, sampling)))
+            tree = f"{Path(path).name}:d{depth}k{top_k}n{total}"
+            if not assistant.draft.config.contemplate:
+                methods.append(Method(f"eagle3:{tree}", _speculative(model, assistant, sampling)))
+                continue
+            for nodes in contemplate_nodes:
+                mode = "confu" if nodes is None else "confu-off" if nodes == 0 else f"confu-c{nodes}"
+                methods.append(Method(f"{mode}:{tree}", _speculative(model, assistant, sampling, nodes)))
     return methods
 
 
-def _speculative(model, assistant: ConFuAssistant, sampling: dict):
+def _speculative(model, assistant: ConFuAssistant, sampling: dict, contemplate_nodes: int | None = None):
+    extra = {} if assistant.adapter is None else dict(contemplate_nodes=contemplate_nodes)
+
     def run(ids, n):
-        out = model.generate(ids, max_new_tokens=n, assistant_model=assistant, **sampling)
+        out = model.generate(ids, max_new_tokens=n, assistant_model=assistant, **sampling, **extra)
         return out, list(assistant.stats.accept_lengths)
 
     return run
@@ -244,6 +256,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="also run each draft with the budget that a calibration on this machine finds fastest")
     p.add_argument("--auto-candidates", default=AUTO_CANDIDATES, help="budgets --auto-tree chooses from")
     p.add_argument("--auto-questions", type=int, default=3, help="calibration questions (the first N)")
+    p.add_argument("--contemplate-nodes", default="all,0",
+                   help="ConFu drafts: runs per draft, comma-separated: 'all' = a [con] on every tree node; m > 0 = on "
+                        "the m likeliest ends of the accepted path (cheaper verify); 0 = without the future token")
+    p.add_argument("--assistant-model", default=None,
+                   help="a smaller same-tokenizer model (folder or Hub id) for transformers' assisted decoding")
     p.add_argument("--prompt-lookup", type=int, default=10, help="prompt-lookup tokens (0 = leave it out)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="results/bench", help="output path prefix (.md, .json, .png, answers/)")
@@ -268,7 +285,13 @@ def main(argv=None) -> dict:
                                      _budgets(args.auto_candidates), args.max_new_tokens, sampling)
             calibration[path] = dict(chosen=best, tokens_per_s=speeds)
             trees = trees + [best] if best not in trees else trees
-    methods = build_methods(model, args.drafts, trees, sampling, args.prompt_lookup)
+    nodes = [None if x.strip() == "all" else int(x) for x in args.contemplate_nodes.split(",")]
+    assistant_model = None
+    if args.assistant_model:
+        from transformers import AutoModelForCausalLM
+
+        assistant_model = AutoModelForCausalLM.from_pretrained(args.assistant_model, dtype=model.dtype).to(model.device)
+    methods = build_methods(model, args.drafts, trees, sampling, args.prompt_lookup, nodes, assistant_model)
     records, mismatches = run_bench(model, tokenizer, methods, questions, args.max_new_tokens, args.seed, greedy)
     table = summarize(records, greedy, mismatches)
     meta = dict(target=args.target, hardware=f"{platform.machine()} CPU, {torch.get_num_threads()} threads"

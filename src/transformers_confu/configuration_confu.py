@@ -40,6 +40,10 @@ class ConFuDraftConfig(PretrainedConfig):
         target_num_layers: number of decoder layers of the target.
         layer_config: the target-family config fields for the draft's decoder layer.
         contemplate: ConFu mode (future token) if true, plain EAGLE-3 if false.
+        future_experts, future_top_k: the `[f]` token's mixture-of-experts embedding (ConFu only).
+        contemplate_nodes: ConFu inference: the number of tree nodes given a `[con]` token in the verify
+            pass (the most likely ends of the accepted path); None gives every node one, 0 none (the draft then
+            runs as EAGLE-3, without its future token).
         tree_depth, tree_top_k, tree_total_tokens: default EAGLE-2 dynamic-tree budget.
     """
 
@@ -56,6 +60,9 @@ class ConFuDraftConfig(PretrainedConfig):
         target_num_layers: int = 4,
         layer_config: dict[str, Any] | None = None,
         contemplate: bool = False,
+        future_experts: int = 8,
+        future_top_k: int = 2,
+        contemplate_nodes: int | None = None,
         tree_depth: int = 4,
         tree_top_k: int = 4,
         tree_total_tokens: int = 16,
@@ -70,6 +77,9 @@ class ConFuDraftConfig(PretrainedConfig):
         self.feature_layers = list(feature_layers or default_feature_layers(target_num_layers))
         self.layer_config = dict(layer_config or {})
         self.contemplate = contemplate
+        self.future_experts = future_experts
+        self.future_top_k = future_top_k
+        self.contemplate_nodes = contemplate_nodes
         self.tree_depth = tree_depth
         self.tree_top_k = tree_top_k
         self.tree_total_tokens = tree_total_tokens
@@ -91,11 +101,10 @@ class ConFuDraftConfig(PretrainedConfig):
             )
         if min(self.tree_depth, self.tree_top_k, self.tree_total_tokens) < 1:
             raise ValueError("tree_depth, tree_top_k and tree_total_tokens must all be >= 1.")
-        if self.contemplate:
-            raise NotImplementedError(
-                "contemplate=True (ConFu's future token) is not available in this version; "
-                "use contemplate=False (EAGLE-3)."
-            )
+        if not 0 < self.future_top_k <= self.future_experts:
+            raise ValueError(f"future_top_k={self.future_top_k} must be in [1, future_experts={self.future_experts}].")
+        if self.contemplate_nodes is not None and self.contemplate_nodes < 0:
+            raise ValueError(f"contemplate_nodes={self.contemplate_nodes} must be >= 0 (or None for every node).")
 
     @classmethod
     def for_target(cls, model: Any, **overrides: Any) -> "ConFuDraftConfig":

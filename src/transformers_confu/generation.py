@@ -18,10 +18,15 @@ from transformers import (
     TopKLogitsWarper,
     TopPLogitsWarper,
 )
-from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, StopStringCriteria
+from transformers.generation.stopping_criteria import (
+    EosTokenCriteria,
+    MaxLengthCriteria,
+    StopStringCriteria,
+)
 
 from .cache import cache_kwargs, keep_path
-from .tree import TreeDrafter, additive_mask
+from .contemplate import ContemplateAdapter, soft_prompt_mask
+from .tree import DraftTree, TreeDrafter, additive_mask
 from .verify import accept_greedy, accept_sampling
 
 
@@ -36,11 +41,13 @@ class TreeBudget:
 
 @dataclass
 class SpeculativeStats:
-    """What one `generate` call did. `mean_accepted_tokens` (tau) counts the bonus token."""
+    """What one `generate` call did. `mean_accepted_tokens` (tau) counts the bonus token; `fresh_futures`
+    (ConFu) counts the rounds whose last accepted node had a `[con]` (so f was renewed)."""
 
     new_tokens: int = 0
     target_forwards: int = 0
     accept_lengths: list[int] = field(default_factory=list)
+    fresh_futures: int = 0
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
     total_seconds: float = 0.0
@@ -85,23 +92,62 @@ def stopping_criteria(config: GenerationConfig, max_length: int, tokenizer=None)
 
 
 class _Target:
-    """The frozen target's forward pass, returning next-token logits and fused draft features."""
+    """The frozen target's forward passes: next-token logits and fused draft features.
 
-    def __init__(self, model: PreTrainedModel, feature_layers: list[int]) -> None:
-        self.model, self.layers = model, feature_layers
-        self.cache = DynamicCache(config=model.config)
+    With a `ContemplateAdapter` (ConFu) the cache starts with the soft prompt's constant keys and values
+    (`offset` positions, hidden from real tokens) and each tree pass carries `[con]` tokens.
+    """
+
+    def __init__(self, model: PreTrainedModel, feature_layers: list[int],
+                 adapter: ContemplateAdapter | None = None) -> None:
+        self.model, self.layers, self.adapter = model, feature_layers, adapter
+        self.cache = DynamicCache(config=model.config) if adapter is None else adapter.prefilled_cache(model)
+        self.offset = 0 if adapter is None else adapter.num_soft_tokens
         self.kwargs = cache_kwargs(model, self.cache)
         self.keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
 
-    def __call__(self, ids, positions=None, mask=None, last_only=False) -> tuple[torch.Tensor, torch.Tensor]:
-        """`last_only`: the next-token logits of the last position only (the prefill needs no more)."""
-        kwargs = {**self.kwargs, "logits_to_keep": 1} if last_only and self.keeps_logits else self.kwargs
-        out = self.model(
-            input_ids=ids, position_ids=positions, attention_mask=mask, use_cache=True,
-            output_hidden_states=True, **kwargs,
-        )
-        features = torch.cat([out.hidden_states[i] for i in self.layers], dim=-1)
-        return out.logits[0], features
+    def _forward(self, keep, **inputs) -> tuple[torch.Tensor, torch.Tensor]:
+        kwargs = {**self.kwargs, "logits_to_keep": keep} if self.keeps_logits else self.kwargs
+        out = self.model(**inputs, use_cache=True, output_hidden_states=True, **kwargs)
+        logits = out.logits[0]
+        if not self.keeps_logits:
+            logits = logits[keep] if torch.is_tensor(keep) else logits[-keep:]
+        return logits, torch.cat([out.hidden_states[i] for i in self.layers], dim=-1)
+
+    def prefill(self, ids: torch.LongTensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The prompt pass: the last position's logits (all `generate` needs) and all features."""
+        if self.adapter is None:
+            return self._forward(1, input_ids=ids)
+        n = ids.shape[1]
+        causal = torch.ones(n, n, dtype=torch.bool, device=ids.device).tril()
+        mask = soft_prompt_mask(causal, self.offset, causal.new_zeros(n), self.model.dtype)
+        return self._forward(1, input_ids=ids, position_ids=torch.arange(n, device=ids.device)[None],
+                             attention_mask=mask)
+
+    def tree(self, tree: DraftTree, length: int, cons: list[int], state: torch.Tensor | None
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Verify `tree` (root at position `length`) in one pass: (N, V) logits and (1, N, 3H) features at
+        the nodes, and (M, 3H) features at the `[con]` tokens of nodes `cons` (routed by `state`)."""
+        ancestry = tree.ancestry().to(tree.tokens.device)
+        positions = length + tree.depths
+        if self.adapter is None:
+            mask = additive_mask(ancestry, length, self.model.dtype)
+            logits, features = self._forward(len(tree), input_ids=tree.tokens[None], position_ids=positions[None],
+                                             attention_mask=mask)
+            return logits, features, None
+        n, m, device = len(tree), len(cons), tree.tokens.device
+        index = torch.tensor(cons, device=device)
+        node_rows = torch.cat([ancestry, ancestry.new_zeros(n, m)], dim=1)
+        con_rows = torch.cat([ancestry[index], torch.eye(m, dtype=torch.bool, device=device)], dim=1)
+        visible = torch.cat([node_rows, con_rows]).to(device)
+        visible = torch.cat([visible.new_ones(n + m, length), visible], dim=1)
+        mask = soft_prompt_mask(visible, self.offset, torch.arange(n + m, device=device) >= n, self.model.dtype)
+        con = self.adapter.con_embedding(state).to(self.model.dtype).expand(m, -1)
+        embeds = torch.cat([self.model.get_input_embeddings()(tree.tokens), con])[None]
+        positions = torch.cat([positions, positions[index] + 1])[None]
+        logits, features = self._forward(torch.arange(n, device=device), inputs_embeds=embeds,
+                                         position_ids=positions, attention_mask=mask)
+        return logits, features[:, :n], features[0, n:]
 
 
 def _append(output, tokens, criteria, streamer) -> tuple[torch.LongTensor, bool]:
@@ -140,37 +186,48 @@ def speculative_generate(
     stats: SpeculativeStats,
     tokenizer=None,
     streamer=None,
+    adapter: ContemplateAdapter | None = None,
+    contemplate_nodes: int | None = None,
 ) -> torch.LongTensor:
-    """Generate up to `max_new_tokens` after `input_ids` (1, T); returns (1, T + new)."""
+    """Generate up to `max_new_tokens` after `input_ids` (1, T); returns (1, T + new).
+
+    With `adapter` (ConFu) every verify pass also carries `[con]` tokens (on all nodes, or on the
+    `contemplate_nodes` likeliest ends of the accepted path); the future vector read at the last accepted
+    node feeds the next draft round, and the previous one is kept when that node had no `[con]`.
+    """
     start = time.perf_counter()
     prompt_len = input_ids.shape[1]
     criteria = stopping_criteria(config, prompt_len + max_new_tokens, tokenizer)
     warpers = logits_warpers(config) if config.do_sample else None
-    verify = _Target(target, feature_layers)
+    verify = _Target(target, feature_layers, adapter)
     if streamer is not None:
         streamer.put(input_ids.cpu())
 
     t0 = time.perf_counter()
-    logits, features = verify(input_ids, last_only=True)
+    logits, features = verify.prefill(input_ids)
     stats.verify_seconds += time.perf_counter() - t0
     token = _select_token(logits[-1], warpers)
     output, stopped = _append(input_ids, [token], criteria, streamer)
     next_ids, feats, length = output[:, 1:], features, prompt_len
+    future, high = None, features.shape[-1] * 2 // 3  # the routing state: the highest feature layer
     while not stopped:
         # Draft: catch up on the newly accepted tokens, then draft a tree under the last one.
         t0 = time.perf_counter()
-        drafter.catch_up(next_ids, feats, length)
+        drafter.catch_up(next_ids, feats, length, future)
         tree = drafter.propose(token, length)
+        cons = [] if adapter is None else tree.likely_ends(contemplate_nodes or len(tree))
         t1 = time.perf_counter()
         # Verify the whole tree in one target pass, accept a path, keep only its keys and values.
-        mask = additive_mask(tree.ancestry().to(output.device), length, target.dtype)
-        logits, features = verify(tree.tokens[None], (length + tree.depths)[None], mask)
+        logits, features, con_features = verify.tree(tree, length, cons, feats[0, -1, high:])
         t2 = time.perf_counter()
         if warpers is None:
             path, token = accept_greedy(tree, logits)
         else:
             path, token = accept_sampling(tree, _probs(logits, warpers), drafter.d2t)
-        keep_path(verify.cache, length, path)
+        keep_path(verify.cache, verify.offset + length, path)
+        if path[-1] in cons:
+            future = (con_features[cons.index(path[-1])], length + len(path) - 1)
+            stats.fresh_futures += 1
         accepted = tree.tokens[path[1:]].tolist() + [token]
         stats.draft_seconds += t1 - t0
         stats.verify_seconds += t2 - t1

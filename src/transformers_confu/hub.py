@@ -46,6 +46,17 @@ def model_card(draft_dir: str | Path, base_model: str, bench: dict | None = None
         f"- default tree: depth {config['tree_depth']}, top-k {config['tree_top_k']}, "
         f"{config['tree_total_tokens']} nodes", "",
     ]
+    adapter_config = draft_dir / "contemplate_adapter" / "config.json"
+    if config.get("contemplate") and adapter_config.is_file():
+        adapter = json.loads(adapter_config.read_text())
+        lines[-1:-1] = [
+            f"- ConFu future token `[f]`: MoE embedding of {config['future_experts']} experts, top-"
+            f"{config['future_top_k']}",
+            f"- target-side adapter (`contemplate_adapter/`, the target itself is unchanged): "
+            f"{adapter['num_soft_tokens']} soft-prompt tokens seen only by `[con]` tokens, `[con]` MoE embedding "
+            f"of {adapter['num_experts']} experts, top-{adapter['top_k']}",
+            f"- `[con]` tokens per verify pass: {config.get('contemplate_nodes') or 'one per tree node'}",
+        ]
     if record:
         logs = record.get("last_logs") or [{}]
         lines += ["## Training", "",

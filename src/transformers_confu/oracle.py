@@ -20,7 +20,7 @@ class OracleDrafter:
         self.depth, self.total_tokens, self.vocab_size = depth, total_tokens, vocab_size
         self.d2t = torch.arange(vocab_size)
 
-    def catch_up(self, next_ids: torch.LongTensor, features: torch.Tensor, length: int) -> None:
+    def catch_up(self, next_ids: torch.LongTensor, features: torch.Tensor, length: int, future=None) -> None:
         """Nothing to do: the oracle needs no state."""
 
     def propose(self, root: int, root_position: int) -> DraftTree:

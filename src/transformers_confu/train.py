@@ -22,8 +22,15 @@ import torch.distributed as dist
 from transformers.trainer_utils import get_last_checkpoint
 
 from .configuration_confu import ConFuDraftConfig
-from .data import DEFAULT_DATA_DIR, DataCollatorForDraft, build_draft_vocab, load_conversations, \
-    regenerate_responses, tokenize_conversations
+from .contemplate import ADAPTER_FOLDER, ContemplateAdapter
+from .data import (
+    DEFAULT_DATA_DIR,
+    DataCollatorForDraft,
+    build_draft_vocab,
+    load_conversations,
+    regenerate_responses,
+    tokenize_conversations,
+)
 from .modeling_confu import ConFuDraftModel
 from .target import DEFAULT_TARGET, load_target
 from .trainer import ConFuTrainer
@@ -44,6 +51,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--regenerate", action="store_true", help="answer with the target itself first (cached)")
     p.add_argument("--draft-vocab-size", type=int, default=8192)
     p.add_argument("--init-from", default=None, help="start from this draft instead of a random one")
+    p.add_argument("--contemplate", action="store_true",
+                   help="train a ConFu draft (future token, soft prompt, [con] MoE), e.g. from an EAGLE-3 --init-from")
+    p.add_argument("--soft-tokens", type=int, default=16, help="ConFu: soft-prompt length")
+    p.add_argument("--con-experts", type=int, default=8, help="ConFu: experts of the [con] and [f] MoE embeddings")
+    p.add_argument("--con-top-k", type=int, default=2, help="ConFu: experts mixed per token")
+    p.add_argument("--anchor-ratio", type=float, default=0.1, help="ConFu: fraction of positions that are anchors")
+    p.add_argument("--replication-window", type=int, default=4, help="ConFu: positions that reuse an anchor's f")
+    p.add_argument("--contemplate-lr-scale", type=float, default=10.0,
+                   help="ConFu: learning-rate multiplier of the adapter and [f] MoE (fresh modules)")
     p.add_argument("--ttt-steps", type=int, default=4)
     p.add_argument("--epochs", type=float, default=1.0)
     p.add_argument("--batch-size", type=int, default=8)
@@ -68,15 +84,26 @@ def build_dataset(args: argparse.Namespace, target, tokenizer):
     return tokenize_conversations(conversations, tokenizer, max_length=args.max_length)
 
 
-def build_draft(args: argparse.Namespace, target, dataset) -> ConFuDraftModel:
+def build_draft(args: argparse.Namespace, target, dataset) -> tuple[ConFuDraftModel, ContemplateAdapter | None]:
+    """The draft to train (fresh or `--init-from`, e.g. ConFu from a trained EAGLE-3 draft) and, for ConFu,
+    its adapter (the init draft's own if it has one, else a fresh one)."""
+    confu = dict(contemplate=True, future_experts=args.con_experts, future_top_k=args.con_top_k) \
+        if args.contemplate else {}
     if args.init_from:
-        return ConFuDraftModel.from_pretrained(args.init_from, dtype=torch.float32)
-    depth, top_k, total = (int(x) for x in args.tree.split(","))
-    config = ConFuDraftConfig.for_target(target, draft_vocab_size=args.draft_vocab_size, tree_depth=depth,
-                                         tree_top_k=top_k, tree_total_tokens=total)
-    draft = ConFuDraftModel(config)
-    draft.set_vocab_map(build_draft_vocab(dataset, args.draft_vocab_size, config.vocab_size))
-    return draft
+        draft = ConFuDraftModel.from_pretrained(args.init_from, dtype=torch.float32, **confu)
+    else:
+        depth, top_k, total = (int(x) for x in args.tree.split(","))
+        config = ConFuDraftConfig.for_target(target, draft_vocab_size=args.draft_vocab_size, tree_depth=depth,
+                                             tree_top_k=top_k, tree_total_tokens=total, **confu)
+        draft = ConFuDraftModel(config)
+        draft.set_vocab_map(build_draft_vocab(dataset, args.draft_vocab_size, config.vocab_size))
+    if not draft.config.contemplate:
+        return draft, None
+    if args.init_from and (Path(args.init_from) / ADAPTER_FOLDER).is_dir():
+        return draft, ContemplateAdapter.from_pretrained(Path(args.init_from) / ADAPTER_FOLDER)
+    adapter = ContemplateAdapter.for_target(target, num_soft_tokens=args.soft_tokens, num_experts=args.con_experts,
+                                            top_k=args.con_top_k)
+    return draft, adapter
 
 
 def estimate_save_steps(args: argparse.Namespace) -> int:
@@ -91,9 +118,11 @@ def main(argv: list[str] | None = None) -> None:
     torch.manual_seed(args.seed)
     target, tokenizer = load_target(args.target)
     dataset = build_dataset(args, target, tokenizer)
-    draft = build_draft(args, target, dataset)
+    draft, adapter = build_draft(args, target, dataset)
     training_args = ConFuTrainingArguments(
         output_dir=args.output_dir, ttt_steps=args.ttt_steps, max_minutes=args.max_minutes,
+        anchor_ratio=args.anchor_ratio, replication_window=args.replication_window,
+        contemplate_lr_scale=args.contemplate_lr_scale,
         num_train_epochs=args.epochs, per_device_train_batch_size=args.batch_size,
         gradient_accumulation_steps=args.grad_accum, learning_rate=args.lr, warmup_steps=args.warmup_steps,
         adam_beta1=0.9, adam_beta2=0.95, max_grad_norm=0.5, weight_decay=0.0, lr_scheduler_type="cosine",
@@ -103,7 +132,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     dataset = dataset.map(lambda row: {"length": len(row["input_ids"])})
     trainer = ConFuTrainer(
-        model=draft, target_model=target, args=training_args, train_dataset=dataset,
+        model=draft, target_model=target, args=training_args, adapter=adapter, train_dataset=dataset,
         data_collator=DataCollatorForDraft(pad_token_id=tokenizer.pad_token_id or 0),
     )
     last = get_last_checkpoint(args.output_dir) if Path(args.output_dir).is_dir() else None
@@ -122,9 +151,12 @@ def main(argv: list[str] | None = None) -> None:
 def save_final(trainer: ConFuTrainer, args: argparse.Namespace, metrics: dict, seconds: float, finished: bool) -> None:
     """Write the draft in `--save-dtype` to `<output-dir>/final`, with the run's record."""
     final = Path(args.output_dir) / "final"
-    draft = trainer.accelerator.unwrap_model(trainer.model)
+    draft, adapter = trainer.trained_modules(trainer.model)
     draft.to(getattr(torch, args.save_dtype)).save_pretrained(final)
     draft.to(torch.float32)
+    if adapter is not None:
+        adapter.to(getattr(torch, args.save_dtype)).save_to(final)
+        adapter.to(torch.float32)
     history = [log for log in trainer.state.log_history if "loss" in log]
     record = dict(args=vars(args), finished=finished, global_step=trainer.state.global_step,
                   max_steps=trainer.state.max_steps, seconds_this_piece=seconds, metrics=metrics,

@@ -8,11 +8,22 @@ from typing import Any
 
 import torch
 from accelerate.utils import broadcast
+from safetensors.torch import load_file
 from torch import nn
-from transformers import PreTrainedModel, Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+from transformers import (
+    DynamicCache,
+    PreTrainedModel,
+    Trainer,
+    TrainerCallback,
+    TrainerControl,
+    TrainerState,
+    TrainingArguments,
+)
 from transformers.trainer_utils import get_last_checkpoint
 
+from .anchors import contemplate_future
 from .configuration_confu import ConFuDraftConfig
+from .contemplate import ADAPTER_FOLDER, ContemplateAdapter
 from .modeling_confu import ConFuDraftModel
 from .training_args import ConFuTrainingArguments
 from .ttt import target_features_and_logits, ttt_loss
@@ -39,6 +50,18 @@ class MaxMinutesCallback(TrainerCallback):
         return control
 
 
+class DraftWithAdapter(nn.Module):
+    """ConFu's trained modules as one (DDP-wrappable) module: the draft head, whose forward this is,
+    and the target-side `ContemplateAdapter`."""
+
+    def __init__(self, draft: ConFuDraftModel, adapter: ContemplateAdapter) -> None:
+        super().__init__()
+        self.draft, self.adapter = draft, adapter
+
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return self.draft(*args, **kwargs)
+
+
 class ConFuTrainer(Trainer):
     """A `Trainer` whose model is the draft head and whose loss is the TTT loss against `target_model`.
 
@@ -47,6 +70,10 @@ class ConFuTrainer(Trainer):
     target is frozen, put in eval mode and on the training device, and never saved. Batches carry
     `input_ids`, `loss_mask` and `attention_mask` (B, T), right-padded. Training logs add
     `ttt_acc_i`, the accuracy of TTT step i since the last log.
+
+    ConFu (`adapter` given, draft built with `contemplate=True`): the soft prompt and `[con]` MoE are
+    trained jointly with the draft through `[con]` tokens after sampled anchors (`anchors.py`);
+    checkpoints then also hold `contemplate_adapter/`.
     """
 
     def __init__(
@@ -54,11 +81,17 @@ class ConFuTrainer(Trainer):
         model: ConFuDraftModel,
         target_model: PreTrainedModel,
         args: ConFuTrainingArguments,
+        adapter: ContemplateAdapter | None = None,
         **kwargs: Any,
     ) -> None:
         if not isinstance(args, ConFuTrainingArguments):
             raise TypeError(f"ConFuTrainer needs ConFuTrainingArguments, got {type(args).__name__}.")
-        super().__init__(model=model, args=args, **kwargs)
+        if (adapter is not None) != model.config.contemplate:
+            raise ValueError("A ConFu draft (contemplate=True) trains with a ContemplateAdapter and an EAGLE-3 "
+                             "draft without one: pass `adapter=` exactly when the draft contemplates.")
+        if adapter is not None:
+            adapter.check_target(target_model)
+        super().__init__(model=model if adapter is None else DraftWithAdapter(model, adapter), args=args, **kwargs)
         self.target_model = target_model.requires_grad_(False).eval().to(self.args.device)
         model.attach_target(self.target_model)
         self.loss_is_scaled_for_ga = False  # ttt_loss is a per-batch mean
@@ -75,14 +108,21 @@ class ConFuTrainer(Trainer):
         num_items_in_batch: torch.Tensor | int | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The TTT loss of one batch; `return_outputs` adds the per-step metrics."""
-        draft: ConFuDraftModel = self.accelerator.unwrap_model(model)
+        draft, adapter = self.trained_modules(model)
         input_ids, attention_mask = inputs["input_ids"], inputs["attention_mask"]
+        cache = None if adapter is None else DynamicCache(config=self.target_model.config)
         features, target_logits = target_features_and_logits(
-            self.target_model, input_ids, attention_mask, draft.config.feature_layers, draft.d2t
+            self.target_model, input_ids, attention_mask, draft.config.feature_layers, draft.d2t, cache
         )
+        future = None
+        if adapter is not None:
+            future = contemplate_future(
+                self.target_model, adapter, cache, features, attention_mask, inputs["loss_mask"],
+                draft.config.feature_layers, self.args.anchor_ratio, self.args.replication_window,
+            )
         loss, metrics = ttt_loss(
             model, features, target_logits, input_ids, inputs["loss_mask"], attention_mask,
-            steps=self.args.ttt_steps, decay=self.args.ttt_decay,
+            steps=self.args.ttt_steps, decay=self.args.ttt_decay, future=future,
         )
         if model.training:
             self._accumulate_accuracy(metrics)
@@ -121,6 +161,48 @@ class ConFuTrainer(Trainer):
         if isinstance(resume_from_checkpoint, (str, os.PathLike)):
             self._check_checkpoint_target(resume_from_checkpoint)
         return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
+
+    def trained_modules(self, model: nn.Module | None = None) -> tuple[ConFuDraftModel, ContemplateAdapter | None]:
+        """The draft and (ConFu) the adapter inside `model` (default: the trained model), unwrapped."""
+        unwrapped = self.accelerator.unwrap_model(model or self.model)
+        if isinstance(unwrapped, DraftWithAdapter):
+            return unwrapped.draft, unwrapped.adapter
+        return unwrapped, None
+
+    def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
+        """`Trainer`'s optimizer; ConFu's fresh modules (adapter, `[f]` MoE) learn `contemplate_lr_scale` times
+        faster than the pretrained draft (prompt tuning needs a large learning rate)."""
+        optimizer = super().create_optimizer(model)
+        draft, adapter = self.trained_modules()
+        scale = self.args.contemplate_lr_scale
+        if adapter is None or scale == 1:
+            return optimizer
+        fresh = {id(p) for p in [*adapter.parameters(), *draft.future_moe.parameters()]}
+        for group in list(optimizer.param_groups):
+            moved = [p for p in group["params"] if id(p) in fresh]
+            group["params"] = [p for p in group["params"] if id(p) not in fresh]
+            if moved:
+                settings = {k: v for k, v in group.items() if k != "params"}
+                optimizer.add_param_group({**settings, "params": moved, "lr": group["lr"] * scale})
+        return optimizer
+
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        """Save the draft; a ConFu draft's adapter goes to `<output_dir>/contemplate_adapter/` beside it."""
+        draft, adapter = self.trained_modules(self.model)
+        if adapter is None:
+            return super()._save(output_dir, state_dict)
+        output_dir = output_dir or self.args.output_dir
+        draft.save_pretrained(output_dir)
+        adapter.save_to(output_dir)
+        torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
+        draft, adapter = self.trained_modules(model or self.model)
+        if adapter is None:
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)
+        draft.load_state_dict(load_file(os.path.join(resume_from_checkpoint, "model.safetensors")), strict=True)
+        saved = ContemplateAdapter.from_pretrained(os.path.join(resume_from_checkpoint, ADAPTER_FOLDER))
+        adapter.load_state_dict(saved.state_dict(), strict=True)
 
     def _check_checkpoint_target(self, checkpoint: str | os.PathLike) -> None:
         """Raise a `ValueError` if the draft in `checkpoint` was built for another target."""

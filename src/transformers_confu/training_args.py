@@ -19,6 +19,15 @@ class ConFuTrainingArguments(TrainingArguments):
 
     ttt_steps: int = field(default=4, metadata={"help": "Number of training-time-test steps the draft is unrolled."})
     ttt_decay: float = field(default=0.8, metadata={"help": "The loss of TTT step i is weighted ttt_decay**i."})
+    anchor_ratio: float = field(
+        default=0.1, metadata={"help": "ConFu: fraction of positions per sequence given a [con] anchor."}
+    )
+    replication_window: int = field(
+        default=4, metadata={"help": "ConFu: an anchor's future vector is seen by the next this many positions."}
+    )
+    contemplate_lr_scale: float = field(
+        default=10.0, metadata={"help": "ConFu: learning-rate multiplier of the adapter and the [f] MoE."}
+    )
     max_minutes: float | None = field(
         default=None,
         metadata={"help": "Save a checkpoint and stop once training has run this many minutes (wall clock)."},
@@ -36,5 +45,11 @@ class ConFuTrainingArguments(TrainingArguments):
             raise ValueError(f"ttt_steps={self.ttt_steps} must be >= 1.")
         if self.ttt_decay <= 0:
             raise ValueError(f"ttt_decay={self.ttt_decay} must be > 0.")
+        if not 0 < self.anchor_ratio <= 1:
+            raise ValueError(f"anchor_ratio={self.anchor_ratio} must be in (0, 1].")
+        if self.contemplate_lr_scale <= 0:
+            raise ValueError(f"contemplate_lr_scale={self.contemplate_lr_scale} must be > 0.")
+        if self.replication_window < 1:
+            raise ValueError(f"replication_window={self.replication_window} must be >= 1.")
         if self.max_minutes is not None and self.max_minutes < 0:
             raise ValueError(f"max_minutes={self.max_minutes} must be >= 0.")

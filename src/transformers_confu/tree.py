@@ -12,7 +12,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
 from transformers import DynamicCache
 
 from .cache import cache_length, truncate_cache
@@ -31,6 +30,7 @@ class DraftTree:
             order they were drafted (the order in which acceptance must try them).
         proposals: per expanded node, the draft distribution over the DRAFT vocabulary its children were
             drawn from (sampling only).
+        scores: (N,) the draft's cumulative log-probability of each node (root 0), if known.
     """
 
     tokens: torch.Tensor
@@ -38,6 +38,7 @@ class DraftTree:
     parents: list[int]
     children: list[list[tuple[int, int]]]
     proposals: dict[int, torch.Tensor]
+    scores: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return len(self.parents)
@@ -51,6 +52,16 @@ class DraftTree:
                 anc[i] = anc[p]
             anc[i, i] = True
         return anc
+
+    def likely_ends(self, count: int) -> list[int]:
+        """The `count` nodes the accepted path most likely ends at, by the draft's own estimate:
+        P(reach node) minus P(reach one of its verified children). All nodes without `scores`."""
+        if self.scores is None or count >= len(self):
+            return list(range(len(self)))
+        reach = self.scores.float().exp()
+        ends = reach.clone()
+        ends.index_add_(0, torch.tensor(self.parents[1:], device=reach.device), -reach[1:])
+        return sorted(ends.topk(count).indices.tolist())
 
 
 def additive_mask(visible: torch.Tensor, prefix: int, dtype: torch.dtype) -> torch.Tensor:
@@ -152,6 +163,7 @@ def _select(draft, root, tokens, scores, parents, proposals, total_tokens) -> Dr
         parents=node_parents,
         children=children,
         proposals={node_of[c]: q for c, q in proposals.items() if c in node_of},
+        scores=torch.cat([scores.new_zeros(1), scores[chosen]]),
     )
 
 
@@ -160,6 +172,8 @@ class TreeDrafter:
 
     The two-step contract of the decoding loop: `catch_up` feeds the tokens the target just accepted
     (with the target's features at the positions before them), `propose` drafts a tree under the root.
+    ConFu: `catch_up` also takes the future vector f; its `[f]` entry stays in the cache for one round
+    (the last new entry and the whole tree see it) and is replaced at the next `catch_up`.
     """
 
     def __init__(self, draft: ConFuDraftModel, depth: int, top_k: int, total_tokens: int,
@@ -168,21 +182,34 @@ class TreeDrafter:
         self.temperature = temperature
         self.cache = DynamicCache()
         self.hidden: torch.Tensor | None = None
+        self._future_slot: int | None = None  # cache index of this round's [f] entry
 
     @property
     def d2t(self) -> torch.Tensor:
         return self.draft.d2t
 
     @torch.no_grad()
-    def catch_up(self, next_ids: torch.LongTensor, features: torch.Tensor, length: int) -> None:
+    def catch_up(self, next_ids: torch.LongTensor, features: torch.Tensor, length: int,
+                 future: tuple[torch.Tensor, int] | None = None) -> None:
         """Feed (1, n) accepted next tokens with the target's (1, n, 3H) features at positions
-        `length - n .. length - 1`."""
-        n = next_ids.shape[1]
+        `length - n .. length - 1`; `future` (ConFu) is `(f (3H,), anchor position)`."""
+        if self._future_slot is not None:
+            truncate_cache(self.cache, self._future_slot)
+            self._future_slot = None
+        n, device = next_ids.shape[1], next_ids.device
         dtype = self.draft.fc.weight.dtype
-        positions = torch.arange(length - n, length, device=next_ids.device)[None]
-        causal = torch.ones(n, n, dtype=torch.bool, device=next_ids.device).tril()
-        mask = additive_mask(causal, length - n, dtype)
-        self.hidden = self.draft(next_ids, features.to(dtype), positions, mask, self.cache)[:, -1:]
+        positions = torch.arange(length - n, length, device=device)
+        visible = torch.ones(n, n, dtype=torch.bool, device=device).tril()
+        vector = None
+        if future is not None:
+            vector, anchor = future[0].reshape(1, 1, -1), future[1]
+            visible = torch.cat([torch.cat([visible, (positions >= anchor)[:, None]], dim=1),
+                                 (torch.arange(n + 1, device=device) == n)[None]])
+            positions = torch.cat([positions, positions.new_tensor([anchor])])
+            self._future_slot = length
+        mask = additive_mask(visible, length - n, dtype)
+        out = self.draft(next_ids, features.to(dtype), positions[None], mask, self.cache, future=vector)
+        self.hidden = out[:, n - 1 : n]
 
     def propose(self, root: int, root_position: int) -> DraftTree:
         """Draft a tree under `root` (at `root_position` in the target sequence)."""

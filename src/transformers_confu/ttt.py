@@ -18,10 +18,23 @@ attends to the real prefix and to its own ancestors.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import DynamicCache, PreTrainedModel
+
+from .cache import cache_kwargs
+
+
+class Future(NamedTuple):
+    """ConFu's future vectors for a batch: `vectors` (B, K, 3H) read at the `[con]` after each anchor,
+    `anchors` (B, K) the anchor positions, `visible` (B, T, K) which draft positions see which vector."""
+
+    vectors: torch.Tensor
+    anchors: torch.LongTensor
+    visible: torch.Tensor
 
 
 def target_features_and_logits(
@@ -30,6 +43,7 @@ def target_features_and_logits(
     attention_mask: torch.Tensor,
     feature_layers: list[int],
     d2t: torch.LongTensor,
+    cache: DynamicCache | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One frozen target forward: the fused features and the logits over the draft vocabulary.
 
@@ -39,6 +53,7 @@ def target_features_and_logits(
         attention_mask: (B, T) 1 for real tokens, 0 for padding.
         feature_layers: 3 indices into the target's `hidden_states` tuple.
         d2t: (D,) target id of each draft id.
+        cache: a `DynamicCache` to fill with the real tokens' keys and values (ConFu's `[con]` pass reads it).
 
     Returns:
         `(features, logits)`: (B, T, 3H) the concatenated hidden states, and (B, T, D) the target's
@@ -46,9 +61,9 @@ def target_features_and_logits(
         materialising the (B, T, V) tensor).
     """
     with torch.no_grad():
-        out = target.base_model(
-            input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, use_cache=False
-        )
+        kwargs = {} if cache is None else cache_kwargs(target.base_model, cache)
+        out = target.base_model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True,
+                                use_cache=cache is not None, **kwargs)
         features = torch.cat([out.hidden_states[i] for i in feature_layers], dim=-1)
         head: nn.Linear = target.get_output_embeddings()
         bias = None if head.bias is None else head.bias[d2t]
@@ -62,17 +77,28 @@ def shift_left(x: torch.Tensor, n: int, fill: int = 0) -> torch.Tensor:
     return torch.cat([x[:, n:], tail], dim=1)
 
 
-def ttt_attention_mask(attention_mask: torch.Tensor, step: int, dtype: torch.dtype) -> torch.Tensor:
+def ttt_attention_mask(
+    attention_mask: torch.Tensor, step: int, dtype: torch.dtype, future_visible: torch.Tensor | None = None
+) -> torch.Tensor:
     """The additive mask of TTT step `step`: (B, T) padding mask -> (B, 1, T, (step+1)T).
 
     0 where the query may attend, `torch.finfo(dtype).min` elsewhere (see the module docstring).
     A query always sees its own step-0 key, so no row is empty (padding queries included).
+
+    ConFu: with `future_visible` (B, T, K), K future entries follow the step-0 keys (K more columns, seen
+    by query t where `future_visible[:, t]`); at step 0 they are also K more queries, each seeing itself.
     """
     batch, length = attention_mask.shape
     eye = torch.eye(length, dtype=torch.bool, device=attention_mask.device)
     causal = torch.ones_like(eye).tril()
     prefix = (causal & attention_mask.bool()[:, None, :]) | eye
-    allowed = torch.cat([prefix, eye.repeat(1, step).expand(batch, -1, -1)], dim=-1)
+    future = [] if future_visible is None else [future_visible.bool()]
+    allowed = torch.cat([prefix, *future, eye.repeat(1, step).expand(batch, -1, -1)], dim=-1)
+    if future and step == 0:
+        k = future_visible.shape[-1]
+        own = torch.eye(k, dtype=torch.bool, device=eye.device).expand(batch, k, k)
+        future_rows = torch.cat([own.new_zeros(batch, k, length), own], dim=-1)
+        allowed = torch.cat([allowed, future_rows], dim=1)
     mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
     return mask.masked_fill_(~allowed, torch.finfo(dtype).min)[:, None]
 
@@ -83,20 +109,28 @@ def ttt_hidden_states(
     input_ids: torch.LongTensor,
     attention_mask: torch.Tensor,
     steps: int,
+    future: Future | None = None,
 ) -> list[torch.Tensor]:
     """Unroll the draft for `steps` TTT steps; returns one (B, T, H) hidden state per step.
 
-    `draft` is a `ConFuDraftModel` or a wrapper of it (DDP) whose forward is the draft's.
+    `draft` is a `ConFuDraftModel` or a wrapper of it (DDP) whose forward is the draft's. `future`
+    (ConFu) adds the anchors' `[f]` entries to step 0, seen where `future.visible` says.
     """
     batch, length = input_ids.shape
     dtype = _unwrap(draft).fc.weight.dtype
     positions = torch.arange(length, device=input_ids.device).expand(batch, length)
     cache = DynamicCache()
     hidden = features.to(dtype)
+    visible = None if future is None else future.visible
     outputs = []
     for step in range(steps):
-        mask = ttt_attention_mask(attention_mask, step, dtype)
-        hidden = draft(shift_left(input_ids, 1 + step), hidden, positions + step, mask, cache)
+        mask = ttt_attention_mask(attention_mask, step, dtype, visible)
+        if step == 0 and future is not None:
+            step_positions = torch.cat([positions, future.anchors], dim=1)
+            hidden = draft(shift_left(input_ids, 1), hidden, step_positions, mask, cache, future=future.vectors)
+            hidden = hidden[:, :length]
+        else:
+            hidden = draft(shift_left(input_ids, 1 + step), hidden, positions + step, mask, cache)
         outputs.append(hidden)
     return outputs
 
@@ -127,6 +161,7 @@ def ttt_loss(
     attention_mask: torch.Tensor,
     steps: int = 4,
     decay: float = 0.8,
+    future: Future | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The EAGLE-3 TTT loss: sum over steps i of decay**i * mean soft cross-entropy at step i.
 
@@ -137,6 +172,7 @@ def ttt_loss(
         input_ids, loss_mask, attention_mask: (B, T), right-padded; loss_mask 1 on assistant tokens.
         steps: number of unrolled steps k.
         decay: weight of step i is decay**i.
+        future: ConFu's future vectors at the anchors and which positions see them (None: EAGLE-3).
 
     Returns:
         `(loss, metrics)`; metrics hold detached scalars per step i: `loss_i` (unweighted mean
@@ -144,7 +180,7 @@ def ttt_loss(
         `count_i` (number of trained positions).
     """
     head = _unwrap(draft)
-    hidden_states = ttt_hidden_states(draft, features, input_ids, attention_mask, steps)
+    hidden_states = ttt_hidden_states(draft, features, input_ids, attention_mask, steps, future)
     loss = torch.zeros((), device=features.device)
     metrics: dict[str, torch.Tensor] = {}
     for step, hidden in enumerate(hidden_states):
@@ -162,5 +198,7 @@ def ttt_loss(
 
 
 def _unwrap(draft: nn.Module) -> nn.Module:
-    """The draft inside a DDP wrapper (forward goes through the wrapper for gradient sync)."""
-    return getattr(draft, "module", draft)
+    """The draft head inside a DDP wrapper and/or a `DraftWithAdapter` (forward goes through the wrappers,
+    for gradient sync)."""
+    module = getattr(draft, "module", draft)
+    return getattr(module, "draft", module)

@@ -9,8 +9,27 @@ from __future__ import annotations
 import torch
 from torch import nn
 from transformers import AutoConfig, AutoModel, PreTrainedModel
+from transformers import initialization as init
 
 from .configuration_confu import ConFuDraftConfig
+
+
+class MoEEmbedding(nn.Module):
+    """A mixture-of-experts embedding: a linear router over a state picks the top-k of n learnable
+    expert embeddings and returns their sum weighted by the softmax of the chosen router logits."""
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int) -> None:
+        super().__init__()
+        if not 0 < top_k <= num_experts:
+            raise ValueError(f"MoE top_k={top_k} must be in [1, num_experts={num_experts}].")
+        self.top_k = top_k
+        self.router = nn.Linear(hidden_size, num_experts, bias=False)
+        self.experts = nn.Parameter(torch.zeros(num_experts, hidden_size))
+
+    def forward(self, state: torch.Tensor) -> torch.Tensor:
+        """(..., H) routing states -> (..., H) embeddings."""
+        scores, chosen = self.router(state).topk(self.top_k, dim=-1)
+        return (scores.softmax(dim=-1).unsqueeze(-1) * self.experts[chosen]).sum(dim=-2)
 
 
 def build_family_layer(config: ConFuDraftConfig) -> tuple[nn.Module, nn.Module, type]:
@@ -38,7 +57,12 @@ def build_family_layer(config: ConFuDraftConfig) -> tuple[nn.Module, nn.Module, 
 
 
 class ConFuDraftModel(PreTrainedModel):
-    """EAGLE-3 draft head (ConFu's future token is switched by `config.contemplate`).
+    """EAGLE-3 draft head, plus ConFu's future token `[f]` when `config.contemplate` is true.
+
+    ConFu: the target's future vector f (a fused 3H feature read at a `[con]` token) enters the draft
+    as one extra entry whose feature is `fc(f)` and whose embedding comes from `future_moe`, routed
+    by `fc(f)`. The caller appends it through `forward(..., future=f)` and chooses with the mask which
+    queries see it.
 
     The token embedding is the target's, frozen and not part of this model's weights: attach it
     with `attach_target` (the assistant does this). `d2t` maps draft ids to target ids; `t2d`
@@ -62,12 +86,19 @@ class ConFuDraftModel(PreTrainedModel):
         self.mlp = layer.mlp
         self.norm = norm_cls(hidden, eps=eps)
         self.lm_head = nn.Linear(hidden, config.draft_vocab_size, bias=False)
+        if config.contemplate:
+            self.future_moe = MoEEmbedding(hidden, config.future_experts, config.future_top_k)
         self.register_buffer("d2t", torch.arange(config.draft_vocab_size), persistent=True)
         t2d = torch.zeros(config.vocab_size, dtype=torch.bool)
         t2d[: config.draft_vocab_size] = True
         self.register_buffer("t2d", t2d, persistent=True)
         self._target_embeddings: list[nn.Module] = []  # a list keeps it out of state_dict
         self.post_init()
+
+    def _init_weights(self, module: nn.Module) -> None:
+        super()._init_weights(module)
+        if isinstance(module, MoEEmbedding):
+            init.normal_(module.experts, std=getattr(self.config, "initializer_range", None) or 0.02)
 
     def attach_target(self, target: PreTrainedModel) -> None:
         """Check `target` against the config and borrow its (frozen) input embedding."""
@@ -98,23 +129,32 @@ class ConFuDraftModel(PreTrainedModel):
         position_ids: torch.LongTensor,
         attention_mask: torch.Tensor,
         cache=None,
+        future: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """One draft step over T positions.
+        """One draft step over T positions (and K future entries).
 
         Args:
             input_ids: (B, T) the NEXT token at each position.
             hidden_states: (B, T, 3H) fused target features, or (B, T, H) the draft's own outputs.
-            position_ids: (B, T) positions.
-            attention_mask: (B, 1, T, past + T) additive float mask (0 = attend, dtype min = not).
+            position_ids: (B, T + K) positions (the future entries' last).
+            attention_mask: (B, 1, T + K, past + T + K) additive float mask (0 = attend, dtype min = not).
             cache: optional `DynamicCache` for the draft's keys and values.
+            future: optional (B, K, 3H) future vectors (ConFu), appended as K `[f]` entries after the T.
 
         Returns:
-            (B, T, H) the draft's hidden states: the features of its next step; `logits()` maps them to
+            (B, T + K, H) the draft's hidden states: the features of its next step; `logits()` maps them to
             draft-vocabulary logits.
         """
         if hidden_states.shape[-1] != self.config.hidden_size:
             hidden_states = self.fc(hidden_states)
-        x = torch.cat([self.input_norm(self.embed(input_ids)), self.hidden_norm(hidden_states)], dim=-1)
+        embeds = self.embed(input_ids)
+        if future is not None:
+            if not self.config.contemplate:
+                raise ValueError("This draft has no future token: it was built with contemplate=False.")
+            future = self.fc(future.to(self.fc.weight.dtype))
+            hidden_states = torch.cat([hidden_states, future], dim=1)
+            embeds = torch.cat([embeds, self.future_moe(future)], dim=1)
+        x = torch.cat([self.input_norm(embeds), self.hidden_norm(hidden_states)], dim=-1)
         position_embeddings = self.rotary_emb(x, position_ids=position_ids)
         attn, _ = self.self_attn(x, position_embeddings, attention_mask, cache)
         hidden_states = hidden_states + attn

@@ -1,0 +1,103 @@
+"""ConFu training: anchor token sampling, the `[con]` target pass, and future-prediction replication.
+
+Per sequence, K anchor positions a are drawn. A second, K-token target pass over the cached real keys
+and values puts a `[con]` after each anchor (position a + 1; it sees the soft prompt, the real tokens
+s <= a and itself) and reads the future vector f_a there, as the fused 3H feature. Only this pass
+carries gradients into the soft prompt and the `[con]` MoE through the frozen target, so the cost is
+K tokens of backward, not T. Replication: draft position t sees the f of the latest anchor a <= t if
+t - a < window, so the draft learns that nearby tokens share a future and copes with a stale f.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+from .cache import cache_kwargs
+from .contemplate import ContemplateAdapter, soft_prompt_mask
+from .ttt import Future, ttt_valid_positions
+
+
+def sample_anchors(attention_mask: torch.Tensor, loss_mask: torch.Tensor, count: int,
+                   generator: torch.Generator | None = None) -> torch.LongTensor:
+    """(B, K) sorted anchor positions, K = `count`, drawn without replacement per row.
+
+    Anchors are drawn among trained positions (the draft predicts an assistant token there) and never at
+    position 0 (routing reads the state before the anchor); a row with too few of those falls back to
+    other positions (padding last), which `future_visibility` ignores.
+    """
+    trained = ttt_valid_positions(attention_mask, loss_mask, 0).float()
+    weights = trained + 1e-4 * attention_mask.float() + 1e-8
+    weights[:, 0] = 0
+    count = min(count, attention_mask.shape[1] - 1)
+    anchors = torch.multinomial(weights, count, replacement=False, generator=generator)
+    return anchors.sort(dim=1).values
+
+
+def future_visibility(anchors: torch.LongTensor, attention_mask: torch.Tensor, window: int) -> torch.Tensor:
+    """(B, T, K) bool: draft position t sees the f of anchor k iff k is the latest real anchor <= t and
+    t - a_k < window."""
+    length = attention_mask.shape[1]
+    t = torch.arange(length, device=anchors.device)
+    real = attention_mask.gather(1, anchors).bool()  # (B, K)
+    a = torch.where(real, anchors, torch.full_like(anchors, length + window))  # padding anchors never match
+    latest = torch.searchsorted(a.sort(dim=1).values, t.expand(len(a), -1).contiguous(), right=True) - 1
+    order = a.argsort(dim=1)
+    chosen = order.gather(1, latest.clamp_min(0))  # (B, T) index k of the latest anchor
+    gap = t[None] - a.gather(1, chosen)
+    ok = (latest >= 0) & (gap < window) & (gap >= 0)
+    visible = torch.zeros(*anchors.shape[:1], length, anchors.shape[1], dtype=torch.bool, device=anchors.device)
+    return visible.scatter_(2, chosen[..., None], ok[..., None])
+
+
+def future_vectors(
+    target: PreTrainedModel,
+    adapter: ContemplateAdapter,
+    real_cache: DynamicCache,
+    features: torch.Tensor,
+    attention_mask: torch.Tensor,
+    anchors: torch.LongTensor,
+    feature_layers: list[int],
+) -> torch.Tensor:
+    """The `[con]` pass: (B, K, 3H) future vectors at the anchors, with gradients into `adapter`.
+
+    Args:
+        real_cache: the real tokens' keys and values from the no-grad target pass.
+        features: (B, T, 3H) the fused target features of that pass; the `[con]` after anchor a is
+            routed by the last third (the highest feature layer) at a - 1, the state known at inference.
+    """
+    batch, length = attention_mask.shape
+    soft = adapter.num_soft_tokens
+    cache = DynamicCache(config=target.config)
+    for index, ((soft_k, soft_v), layer) in enumerate(zip(adapter.soft_kv(target), real_cache.layers)):
+        cache.update(soft_k.expand(batch, -1, -1, -1), soft_v.expand(batch, -1, -1, -1), index)
+        cache.update(layer.keys, layer.values, index)
+    hidden = features.shape[-1] // 3
+    states = features[..., 2 * hidden:].gather(1, (anchors - 1)[..., None].expand(-1, -1, hidden))
+    embeds = adapter.con_embedding(states).to(target.dtype)
+    t = torch.arange(length, device=anchors.device)
+    sees_real = (t[None, None] <= anchors[..., None]) & attention_mask.bool()[:, None]  # (B, K, T)
+    own = torch.eye(anchors.shape[1], dtype=torch.bool, device=anchors.device).expand(batch, -1, -1)
+    mask = soft_prompt_mask(torch.cat([sees_real, own], dim=-1), soft, torch.ones_like(anchors, dtype=torch.bool),
+                            target.dtype)
+    out = target.base_model(inputs_embeds=embeds, position_ids=anchors + 1, attention_mask=mask, use_cache=True,
+                            output_hidden_states=True, **cache_kwargs(target.base_model, cache))
+    return torch.cat([out.hidden_states[i] for i in feature_layers], dim=-1)
+
+
+def contemplate_future(
+    target: PreTrainedModel,
+    adapter: ContemplateAdapter,
+    real_cache: DynamicCache,
+    features: torch.Tensor,
+    attention_mask: torch.Tensor,
+    loss_mask: torch.Tensor,
+    feature_layers: list[int],
+    anchor_ratio: float,
+    window: int,
+) -> Future:
+    """Sample anchors (`anchor_ratio` of the positions, at least 1), run the `[con]` pass, replicate."""
+    count = max(1, round(anchor_ratio * attention_mask.shape[1]))
+    anchors = sample_anchors(attention_mask, loss_mask, count)
+    vectors = future_vectors(target, adapter, real_cache, features, attention_mask, anchors, feature_layers)
+    return Future(vectors, anchors, future_visibility(anchors, attention_mask, window))

@@ -1,0 +1,222 @@
+"""ConFu: the contemplate adapter, the future token, lossless decoding with `[con]` tokens, and training."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import tiny_target
+from test_sampling import exact_distribution, p_value, sampled_counts
+from transformers import DynamicCache
+
+from transformers_confu import ConFuAssistant, ConFuDraftConfig
+from transformers_confu.anchors import future_vectors, future_visibility, sample_anchors
+from transformers_confu.contemplate import ADAPTER_FOLDER, ContemplateAdapter
+from transformers_confu.generation import _Target
+from transformers_confu.modeling_confu import ConFuDraftModel
+from transformers_confu.tree import DraftTree, TreeDrafter
+from transformers_confu.ttt import target_features_and_logits, ttt_loss
+
+BUDGETS = [dict(depth=1, top_k=1, total_tokens=2), dict(depth=3, top_k=2, total_tokens=6),
+           dict(depth=5, top_k=4, total_tokens=24)]
+
+
+def confu_assistant(target, **options):
+    config = ConFuDraftConfig.for_target(target, draft_vocab_size=64, contemplate=True)
+    return ConFuAssistant.from_config(config, target, **options)
+
+
+def plain(target, ids, **kw):
+    return target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=0, **kw)
+
+
+@pytest.mark.parametrize("budget", BUDGETS, ids=lambda b: f"d{b['depth']}k{b['top_k']}n{b['total_tokens']}")
+@pytest.mark.parametrize("contemplate_nodes", [None, 1, 3])
+def test_greedy_identity_with_contemplate_tokens(arch, budget, contemplate_nodes):
+    target = tiny_target(arch)
+    assistant = confu_assistant(target, contemplate_nodes=contemplate_nodes, **budget)
+    for seed in range(5):
+        torch.manual_seed(seed)
+        ids = torch.randint(0, 128, (1, 3 + 4 * seed))
+        out = target.generate(ids, max_new_tokens=30, do_sample=False, assistant_model=assistant)
+        assert torch.equal(out, plain(target, ids, max_new_tokens=30)), f"seed {seed}"
+        stats = assistant.stats
+        if contemplate_nodes is None or contemplate_nodes >= budget["total_tokens"]:
+            assert stats.fresh_futures == stats.target_forwards  # every node has a [con]: f is always renewed
+        assert stats.fresh_futures <= stats.target_forwards
+
+
+def test_real_token_logits_unchanged_by_contemplate_tokens(arch):
+    """The tree pass with soft prompt and a [con] per node gives the same logits and features on the real
+    tokens as the plain tree pass, and the [con] tokens' own features do depend on the adapter."""
+    target = tiny_target(arch)
+    adapter = ContemplateAdapter.for_target(target, num_soft_tokens=5)
+    layers = [1, 2, 3]
+    prompt = torch.randint(0, 128, (1, 9))
+    tree = DraftTree(torch.tensor([3, 7, 9, 11, 2]), torch.tensor([0, 1, 1, 2, 2]), [-1, 0, 0, 1, 2],
+                     [[(7, 1), (9, 2)], [(11, 3)], [(2, 4)], [], []], {})
+    plain_pass, confu_pass = _Target(target, layers), _Target(target, layers, adapter)
+    plain_pass.prefill(prompt)
+    _, prompt_features = confu_pass.prefill(prompt)
+    logits, features, _ = plain_pass.tree(tree, 9, [], None)
+    state = prompt_features[0, -1, 64:]
+    logits_c, features_c, con = confu_pass.tree(tree, 9, list(range(5)), state)
+    torch.testing.assert_close(logits_c, logits, rtol=0, atol=1e-5)
+    torch.testing.assert_close(features_c, features, rtol=1e-5, atol=1e-5)
+    assert con.shape == (5, 96)
+    with torch.no_grad():
+        adapter.soft_prompt.mul_(2)
+    other = _Target(target, layers, adapter)
+    other.prefill(prompt)
+    assert not torch.allclose(other.tree(tree, 9, list(range(5)), state)[2], con)
+    # only the nodes named get a [con]; the cache keeps the soft prompt in front of the prompt and tree
+    assert confu_pass.cache.get_seq_length() == 5 + 9 + 5 + 5
+
+
+def test_soft_prompt_kv_is_computed_once():
+    target = tiny_target()
+    adapter = ContemplateAdapter.for_target(target, num_soft_tokens=4)
+    first = adapter.constant_soft_kv(target)
+    assert adapter.constant_soft_kv(target) is first
+    assert first[0][0].shape[-2] == 4 and not first[0][0].requires_grad
+    with torch.no_grad():
+        adapter.soft_prompt.add_(1)  # a trained (changed) soft prompt invalidates the constant
+    assert adapter.constant_soft_kv(target) is not first
+
+
+def test_future_entry_is_seen_for_one_round_then_replaced():
+    target = tiny_target()
+    assistant = confu_assistant(target)
+    draft = assistant.draft
+    ids, features = torch.randint(0, 128, (1, 6)), torch.randn(1, 6, 96)
+    f = torch.randn(96)
+    with_f, without_f = TreeDrafter(draft, 3, 2, 6), TreeDrafter(draft, 3, 2, 6)
+    with_f.catch_up(ids, features, 6, (f, 5))
+    without_f.catch_up(ids, features, 6)
+    assert with_f.cache.get_seq_length() == 7 and without_f.cache.get_seq_length() == 6
+    assert not torch.allclose(with_f.hidden, without_f.hidden)  # the last entry sees [f]
+    tree = with_f.propose(4, 6)
+    assert with_f.cache.get_seq_length() == 7 and len(tree) == 6
+    with_f.catch_up(ids[:, :2], features[:, :2], 8)  # the old [f] entry is dropped first
+    without_f.catch_up(ids[:, :2], features[:, :2], 8)
+    assert with_f.cache.get_seq_length() == 8
+    torch.testing.assert_close(with_f.hidden, without_f.hidden)
+
+
+def test_likely_ends():
+    # root -> a (p .6) -> c (p .3); root -> b (p .3)
+    scores = torch.tensor([0.0, 0.6, 0.3, 0.3]).log()
+    tree = DraftTree(torch.arange(4), torch.tensor([0, 1, 1, 2]), [-1, 0, 0, 1], [[], [], [], []], {}, scores)
+    # P(end): root 1 - .9 = .1, a .6 - .3 = .3, b .3, c .3
+    assert tree.likely_ends(3) == [1, 2, 3]
+    assert tree.likely_ends(10) == [0, 1, 2, 3]
+
+
+@pytest.fixture(scope="module")
+def sampling_setup():
+    from test_sampling import VOCAB
+
+    target = tiny_target(vocab_size=VOCAB, init=0.15, seed=3)
+    config = ConFuDraftConfig.for_target(target, draft_vocab_size=4, contemplate=True)
+    config.initializer_range = 0.4
+    assistant = ConFuAssistant.from_config(config, target, depth=2, top_k=2, total_tokens=4, contemplate_nodes=2)
+    assistant.draft.set_vocab_map(torch.tensor([0, 2, 3, 5]))
+    prompt = torch.tensor([1, 4, 2])
+    return target, assistant, prompt, exact_distribution(target, prompt)
+
+
+def test_sampling_with_contemplate_matches_exact_distribution(sampling_setup):
+    target, assistant, prompt, exact = sampling_setup
+    assert p_value(exact, sampled_counts(target, assistant, prompt)) > 1e-3
+
+
+def test_anchor_sampling_and_replication_window():
+    attention = torch.ones(2, 12, dtype=torch.long)
+    attention[1, 8:] = 0
+    loss = torch.ones_like(attention)
+    loss[:, :4] = 0
+    anchors = sample_anchors(attention, loss, 3, torch.Generator().manual_seed(0))
+    assert anchors.shape == (2, 3) and bool((anchors[:, 1:] > anchors[:, :-1]).all())
+    assert bool((anchors >= 3).all())  # the draft at position a predicts a+2, which must be an assistant token
+    assert bool((anchors[1] < 8).all()) and bool((anchors[0] < 10).all())
+    visible = future_visibility(torch.tensor([[2, 5, 11]]), torch.tensor([[1] * 11 + [0]]), window=2)
+    expected = {2: 0, 3: 0, 5: 1, 6: 1}  # position -> the anchor whose f it sees; anchor 11 is padding
+    for t in range(12):
+        seen = visible[0, t].nonzero().flatten().tolist()
+        assert seen == ([expected[t]] if t in expected else []), t
+
+
+def test_future_vectors_match_a_direct_forward(arch):
+    """The [con] pass over the cached real keys equals one forward of [soft prompt, tokens..a, [con]]."""
+    target = tiny_target(arch)
+    adapter = ContemplateAdapter.for_target(target, num_soft_tokens=3)
+    ids = torch.randint(0, 128, (2, 10))
+    attention = torch.ones_like(ids)
+    cache = DynamicCache(config=target.config)
+    layers = [1, 2, 3]
+    features, _ = target_features_and_logits(target, ids, attention, layers, torch.arange(64), cache)
+    anchors = torch.tensor([[2, 6], [4, 8]])
+    f = future_vectors(target, adapter, cache, features, attention, anchors, layers)
+    for b in range(2):
+        for k in range(2):
+            a = int(anchors[b, k])
+            con = adapter.con_embedding(features[b, a - 1, 64:])
+            embeds = torch.cat([adapter.soft_prompt, target.get_input_embeddings()(ids[b, : a + 1]), con[None]])[None]
+            n = a + 1
+            allowed = torch.zeros(3 + n + 1, 3 + n + 1, dtype=torch.bool)
+            allowed[:3, :3] = torch.ones(3, 3, dtype=torch.bool).tril()
+            allowed[3 : 3 + n, 3 : 3 + n] = torch.ones(n, n, dtype=torch.bool).tril()
+            allowed[-1] = True
+            mask = torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)[None, None]
+            positions = torch.cat([torch.arange(3), torch.arange(n), torch.tensor([a + 1])])[None]
+            out = target.base_model(inputs_embeds=embeds, position_ids=positions, attention_mask=mask,
+                                    output_hidden_states=True)
+            direct = torch.cat([out.hidden_states[i][0, -1] for i in layers])
+            torch.testing.assert_close(f[b, k], direct, rtol=1e-4, atol=1e-5)
+
+
+def test_gradients_reach_the_adapter_only_through_contemplate_tokens():
+    from transformers_confu.anchors import contemplate_future
+
+    target = tiny_target()
+    config = ConFuDraftConfig.for_target(target, draft_vocab_size=64, contemplate=True)
+    draft = ConFuDraftModel(config)
+    draft.attach_target(target)
+    adapter = ContemplateAdapter.for_target(target, num_soft_tokens=4)
+    ids = torch.randint(0, 128, (2, 16))
+    attention, loss_mask = torch.ones_like(ids), torch.ones_like(ids)
+    cache = DynamicCache(config=target.config)
+    features, logits = target_features_and_logits(target, ids, attention, config.feature_layers, draft.d2t, cache)
+    assert not features.requires_grad
+    future = contemplate_future(target, adapter, cache, features, attention, loss_mask, config.feature_layers, 0.25, 3)
+    loss, _ = ttt_loss(draft, features, logits, ids, loss_mask, attention, steps=2, future=future)
+    loss.backward()
+    for name, param in [*adapter.named_parameters(), *draft.future_moe.named_parameters()]:
+        assert param.grad is not None and param.grad.abs().sum() > 0, name
+    assert all(p.grad is None for p in target.parameters())
+    # without visible futures the adapter gets no gradient at all
+    adapter.zero_grad(set_to_none=True)
+    future = contemplate_future(target, adapter, cache, features, attention, loss_mask, config.feature_layers, 0.25, 3)
+    blind = future._replace(visible=torch.zeros_like(future.visible))
+    loss, _ = ttt_loss(draft, features, logits, ids, loss_mask, attention, steps=2, future=blind)
+    loss.backward()
+    assert all(p.grad is None or p.grad.abs().sum() == 0 for p in adapter.parameters())
+
+
+def test_confu_round_trip_and_errors(tmp_path):
+    target = tiny_target()
+    assistant = confu_assistant(target, depth=3, top_k=2, total_tokens=6)
+    assistant.save_pretrained(tmp_path / "confu")
+    assert (tmp_path / "confu" / ADAPTER_FOLDER / "model.safetensors").is_file()
+    assert (tmp_path / "confu" / ADAPTER_FOLDER / "config.json").is_file()
+    loaded = ConFuAssistant.from_pretrained(tmp_path / "confu", target_model=target)
+    torch.testing.assert_close(loaded.adapter.soft_prompt, assistant.adapter.soft_prompt)
+    ids = torch.randint(0, 128, (1, 5))
+    assert torch.equal(target.generate(ids, max_new_tokens=12, do_sample=False, assistant_model=loaded),
+                       plain(target, ids, max_new_tokens=12))
+    with pytest.raises(ValueError, match="different target|trained for"):
+        ConFuAssistant.from_pretrained(tmp_path / "confu", target_model=tiny_target(vocab_size=100))
+    (tmp_path / "confu" / ADAPTER_FOLDER / "model.safetensors").write_bytes(b"truncated")
+    with pytest.raises(OSError, match="contemplate adapter"):
+        ConFuAssistant.from_pretrained(tmp_path / "confu", target_model=target)
+    with pytest.raises(ValueError, match="needs its ContemplateAdapter"):
+        ConFuAssistant(assistant.draft, target)
