@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -26,9 +27,7 @@ def fake_hub_cache(root, repo_id: str, folder, commit: str = "a" * 40):
     """Lay out `folder` as huggingface_hub's cache would after a download of `repo_id`."""
     repo = root / f"models--{repo_id.replace('/', '--')}"
     snapshot = repo / "snapshots" / commit
-    snapshot.mkdir(parents=True)
-    for f in folder.iterdir():
-        (snapshot / f.name).write_bytes(f.read_bytes())
+    shutil.copytree(folder, snapshot)
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text(commit)
     return root
@@ -53,6 +52,28 @@ def test_hub_id_loads_offline_from_the_cache(saved):
         print("LOADED", a.draft.config.draft_vocab_size, torch.equal(a.draft.fc.weight, b.draft.fc.weight))
     """, HF_HUB_OFFLINE="1", HF_HUB_CACHE=str(cache))
     assert "LOADED 64 True" in result.stdout, result.stderr[-2000:]
+
+
+def test_confu_hub_id_loads_draft_and_adapter_offline(tmp_path):
+    target = tiny_target()
+    config = ConFuDraftConfig.for_target(target, draft_vocab_size=64, contemplate=True)
+    ConFuAssistant.from_config(config, target).save_pretrained(tmp_path / "draft")
+    target.save_pretrained(tmp_path / "target")
+    cache = fake_hub_cache(tmp_path / "hub", "someone/tiny-confu", tmp_path / "draft")
+    result = run_python(f"""
+        import torch
+        from transformers import AutoModelForCausalLM
+        from transformers_confu import ConFuAssistant
+        from transformers_confu.contemplate import ContemplateAdapter
+        target = AutoModelForCausalLM.from_pretrained({str(tmp_path / "target")!r})
+        a = ConFuAssistant.from_pretrained("someone/tiny-confu", target_model=target)
+        local = ContemplateAdapter.from_pretrained({str(tmp_path / "draft" / "contemplate_adapter")!r})
+        ids = torch.tensor([[5, 9, 2]])
+        ref = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False)
+        out = target.generate(ids, max_new_tokens=8, do_sample=False, assistant_model=a)
+        print("LOADED", torch.equal(a.adapter.soft_prompt, local.soft_prompt), torch.equal(out, ref))
+    """, HF_HUB_OFFLINE="1", HF_HUB_CACHE=str(cache))
+    assert "LOADED True True" in result.stdout, result.stderr[-2000:]
 
 
 def test_checkpoint_loads_with_remote_code_without_the_package(saved):
