@@ -25,9 +25,9 @@ from transformers_confu.questions import (
     chat_input_ids,
     load_questions,
 )
-from transformers_confu.target import DEFAULT_DRAFT, load_target
+from transformers_confu.target import EAGLE3_DRAFT, load_target
 
-DEFAULTS = dict(con_experts=8, con_top_k=2, soft_tokens=16, anchor_ratio=0.1, replication_window=4)
+DEFAULTS = dict(con_experts=8, con_top_k=2, soft_tokens=16, anchor_ratio=0.1, replication_window=4, future_bias=2.0)
 VARIANTS: dict[str, dict | None] = {
     "eagle3-control": None,  # the same extra steps without ConFu
     "confu-default": {},
@@ -40,6 +40,8 @@ VARIANTS: dict[str, dict | None] = {
     "anchors 5%": dict(anchor_ratio=0.05),
     "anchors 25%": dict(anchor_ratio=0.25),
     "window 8": dict(replication_window=8),
+    "no [f] attention bias (init 0)": dict(future_bias=0.0),
+    "[f] attention bias init 4": dict(future_bias=4.0),
 }
 
 
@@ -53,7 +55,7 @@ def train(name: str, settings: dict | None, args: argparse.Namespace) -> Path:
     if (out / "final" / "training_record.json").is_file() and json.loads(
             (out / "final" / "training_record.json").read_text())["finished"]:
         return out / "final"
-    command = [sys.executable, "-m", "transformers_confu.train", "--init-from", str(DEFAULT_DRAFT),
+    command = [sys.executable, "-m", "transformers_confu.train", "--init-from", str(EAGLE3_DRAFT),
                "--output-dir", str(out), "--max-samples", str(args.steps * args.batch_size), "--seed", str(args.seed),
                "--batch-size", str(args.batch_size), "--lr", str(args.lr), "--warmup-steps", "5", "--save-minutes", "3"]
     if settings is not None:
@@ -63,21 +65,28 @@ def train(name: str, settings: dict | None, args: argparse.Namespace) -> Path:
     return out / "final"
 
 
+def tau(assistant: ConFuAssistant, model, tokenizer, questions: list[dict], max_new_tokens: int, **kwargs) -> float:
+    """Mean accepted tokens per target pass over the first turns of `questions` (greedy)."""
+    accepted = passes = 0
+    for question in tqdm(questions, desc="eval", leave=False):
+        model.generate(chat_input_ids(tokenizer, question["turns"][:1]), max_new_tokens=max_new_tokens,
+                       do_sample=False, assistant_model=assistant, **kwargs)
+        accepted += sum(assistant.stats.accept_lengths)
+        passes += len(assistant.stats.accept_lengths)
+    return accepted / passes
+
+
 def evaluate(path: Path, model, tokenizer, questions: list[dict], max_new_tokens: int) -> dict:
-    """Greedy dev-set answers (first turns): tau and the number of target passes; cached beside the draft."""
+    """Dev-set tau of the draft, and for ConFu also without its future token (is f used?); cached."""
     cache = path / "dev_eval.json"
     if cache.is_file():
         return json.loads(cache.read_text())
     assistant = ConFuAssistant.from_pretrained(path, target_model=model)
-    accepted, passes, tokens = 0, 0, 0
-    for question in tqdm(questions, desc=f"eval {path.parent.name}", leave=False):
-        model.generate(chat_input_ids(tokenizer, question["turns"][:1]), max_new_tokens=max_new_tokens,
-                       do_sample=False, assistant_model=assistant)
-        accepted += sum(assistant.stats.accept_lengths)
-        passes += len(assistant.stats.accept_lengths)
-        tokens += assistant.stats.new_tokens
-    result = dict(tau=accepted / passes, target_passes=passes, new_tokens=tokens,
+    result = dict(tau=tau(assistant, model, tokenizer, questions, max_new_tokens),
                   tree=[assistant.budget.depth, assistant.budget.top_k, assistant.budget.total_tokens])
+    if assistant.adapter is not None:
+        result["tau_without_f"] = tau(assistant, model, tokenizer, questions, max_new_tokens, contemplate_nodes=0)
+        result["future_bias"] = float(assistant.draft.future_bias)
     cache.write_text(json.dumps(result, indent=2))
     return result
 
@@ -89,11 +98,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--lr", type=float, default=2e-4)
     p.add_argument("--seed", type=int, default=2, help="data shuffle of the ablation runs")
     p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--eval-questions", type=int, default=None, help="score on the first N dev questions (default all)")
     p.add_argument("--variants", nargs="*", default=list(VARIANTS), help="subset of: " + ", ".join(VARIANTS))
     p.add_argument("--runs", default="runs/ablation")
     p.add_argument("--out", default="results/confu_ablation")
     args = p.parse_args(argv)
-    questions = load_questions(DEFAULT_QUESTIONS)
+    questions = load_questions(DEFAULT_QUESTIONS, args.eval_questions)
     rows = []
     model, tokenizer = load_target()
     for name in args.variants:
@@ -110,11 +120,15 @@ def main(argv: list[str] | None = None) -> None:
              f"lr {args.lr}, data seed {args.seed}); greedy, first turns of {len(questions)} dev questions, "
              f"{args.max_new_tokens} new tokens, tree d{{}}k{{}}n{{}} as saved. Defaults: {DEFAULTS}.", "",
              f"Command: `python examples/ablate_confu.py {' '.join(argv if argv is not None else sys.argv[1:])}`", "",
-             "| variant | tau | vs EAGLE-3 control | TTT step-0 accuracy (last logs) |", "|---|---|---|---|"]
+             "tau without f: the same ConFu draft run with `contemplate_nodes=0` (no `[con]`, no `[f]`): "
+             "how much the future vector itself adds.", "",
+             "| variant | tau | vs EAGLE-3 control | tau without f | TTT step-0 accuracy (last logs) |",
+             "|---|---|---|---|---|"]
     lines[2] = lines[2].format(*rows[0]["tree"]) if rows else lines[2]
     for row in rows:
         delta = f"{row['tau'] / control:.3f}x" if control else "n/a"
-        lines.append(f"| {row['variant']} | {row['tau']:.3f} | {delta} | {row['ttt_acc_0']:.3f} |")
+        without = f"{row['tau_without_f']:.3f}" if "tau_without_f" in row else "-"
+        lines.append(f"| {row['variant']} | {row['tau']:.3f} | {delta} | {without} | {row['ttt_acc_0']:.3f} |")
     Path(args.out).with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

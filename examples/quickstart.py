@@ -1,4 +1,4 @@
-"""Quickstart: SmolLM2-135M-Instruct with the shipped draft, streamed answers, tau and speed-up.
+"""Quickstart: SmolLM2-135M-Instruct with the shipped ConFu draft, streamed answers, tau and speed-up.
 
     python examples/quickstart.py [--max-new-tokens 128]
 """
@@ -31,8 +31,9 @@ def main() -> None:
     model, tokenizer = load_target()
     if (DEFAULT_DRAFT / "config.json").is_file():
         assistant = ConFuAssistant.from_pretrained(DEFAULT_DRAFT, target_model=model)
-        print(f"Draft: {DEFAULT_DRAFT.name} (tree depth {assistant.budget.depth}, top-k {assistant.budget.top_k}, "
-              f"{assistant.budget.total_tokens} nodes)")
+        mode = "ConFu, a [con] token per tree node" if assistant.adapter is not None else "EAGLE-3"
+        print(f"Draft: {DEFAULT_DRAFT.name} ({mode}; tree depth {assistant.budget.depth}, top-k "
+              f"{assistant.budget.top_k}, {assistant.budget.total_tokens} nodes)")
     else:
         assistant = ConFuAssistant.from_config(ConFuDraftConfig.for_target(model), target_model=model)
         print("No trained draft is shipped yet: using an UNTRAINED draft (expect tau close to 1).")

@@ -115,9 +115,11 @@ def test_draft_for_another_target_raises(saved):
 
 
 def test_shipped_draft_remote_code_matches_the_package():
-    """The shipped folder carries copies of the modeling code for remote-code loading: they must not drift."""
-    from transformers_confu.target import DEFAULT_DRAFT
+    """The shipped folders carry copies of the modeling code for remote-code loading: they must not drift."""
+    from transformers_confu.target import CHECKPOINTS
 
-    package = DEFAULT_DRAFT.parents[1]
-    for name in ("configuration_confu.py", "modeling_confu.py"):
-        assert (DEFAULT_DRAFT / name).read_text() == (package / name).read_text(), name
+    folders = [f for f in CHECKPOINTS.iterdir() if (f / "config.json").is_file()]
+    assert folders
+    for folder in folders:
+        for name in ("configuration_confu.py", "modeling_confu.py"):
+            assert (folder / name).read_text() == (CHECKPOINTS.parent / name).read_text(), (folder.name, name)

@@ -7,19 +7,26 @@ import torch
 
 from transformers_confu import ConFuAssistant, ConFuDraftConfig, load_target
 from transformers_confu.questions import chat_input_ids
-from transformers_confu.target import DEFAULT_DRAFT
+from transformers_confu.target import CHECKPOINTS
 
 pytestmark = pytest.mark.slow
+SHIPPED = sorted(f.name for f in CHECKPOINTS.iterdir() if (f / "config.json").is_file())
 
 
 @pytest.fixture(scope="module")
-def real():
+def target():
     torch.set_num_threads(2)
-    model, tokenizer = load_target()
-    if (DEFAULT_DRAFT / "config.json").is_file():
-        assistant = ConFuAssistant.from_pretrained(DEFAULT_DRAFT, target_model=model)
-    else:
+    return load_target()
+
+
+@pytest.fixture(scope="module", params=SHIPPED or ["untrained"])
+def real(request, target):
+    """The real target with each shipped draft (ConFu and EAGLE-3)."""
+    model, tokenizer = target
+    if request.param == "untrained":
         assistant = ConFuAssistant.from_config(ConFuDraftConfig.for_target(model, draft_vocab_size=8192), model)
+    else:
+        assistant = ConFuAssistant.from_pretrained(CHECKPOINTS / request.param, target_model=model)
     return model, tokenizer, assistant
 
 

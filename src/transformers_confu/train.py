@@ -56,6 +56,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--soft-tokens", type=int, default=16, help="ConFu: soft-prompt length")
     p.add_argument("--con-experts", type=int, default=8, help="ConFu: experts of the [con] and [f] MoE embeddings")
     p.add_argument("--con-top-k", type=int, default=2, help="ConFu: experts mixed per token")
+    p.add_argument("--future-bias", type=float, default=2.0, help="ConFu: initial attention bias on the [f] entry")
     p.add_argument("--anchor-ratio", type=float, default=0.1, help="ConFu: fraction of positions that are anchors")
     p.add_argument("--replication-window", type=int, default=4, help="ConFu: positions that reuse an anchor's f")
     p.add_argument("--contemplate-lr-scale", type=float, default=10.0,
@@ -87,8 +88,8 @@ def build_dataset(args: argparse.Namespace, target, tokenizer):
 def build_draft(args: argparse.Namespace, target, dataset) -> tuple[ConFuDraftModel, ContemplateAdapter | None]:
     """The draft to train (fresh or `--init-from`, e.g. ConFu from a trained EAGLE-3 draft) and, for ConFu,
     its adapter (the init draft's own if it has one, else a fresh one)."""
-    confu = dict(contemplate=True, future_experts=args.con_experts, future_top_k=args.con_top_k) \
-        if args.contemplate else {}
+    confu = dict(contemplate=True, future_experts=args.con_experts, future_top_k=args.con_top_k,
+                 future_attention_bias=args.future_bias) if args.contemplate else {}
     if args.init_from:
         draft = ConFuDraftModel.from_pretrained(args.init_from, dtype=torch.float32, **confu)
     else:
@@ -101,6 +102,7 @@ def build_draft(args: argparse.Namespace, target, dataset) -> tuple[ConFuDraftMo
         return draft, None
     if args.init_from and (Path(args.init_from) / ADAPTER_FOLDER).is_dir():
         return draft, ContemplateAdapter.from_pretrained(Path(args.init_from) / ADAPTER_FOLDER)
+    draft.init_future_from_target(target)
     adapter = ContemplateAdapter.for_target(target, num_soft_tokens=args.soft_tokens, num_experts=args.con_experts,
                                             top_k=args.con_top_k)
     return draft, adapter

@@ -177,7 +177,7 @@ class ConFuTrainer(Trainer):
         scale = self.args.contemplate_lr_scale
         if adapter is None or scale == 1:
             return optimizer
-        fresh = {id(p) for p in [*adapter.parameters(), *draft.future_moe.parameters()]}
+        fresh = {id(p) for p in [*adapter.parameters(), *draft.future_moe.parameters(), draft.future_bias]}
         for group in list(optimizer.param_groups):
             moved = [p for p in group["params"] if id(p) in fresh]
             group["params"] = [p for p in group["params"] if id(p) not in fresh]

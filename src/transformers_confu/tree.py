@@ -94,6 +94,7 @@ def draft_tree(
     top_k: int,
     total_tokens: int,
     temperature: float | None = None,
+    future_slot: int | None = None,
 ) -> DraftTree:
     """Draft a tree under `root`.
 
@@ -103,7 +104,9 @@ def draft_tree(
         hidden: (1, 1, H) the draft's output at the root's entry (it predicts the root's children).
         root: target id of the root token; root_position: its position in the target sequence.
         temperature: None for greedy decoding, else the sampling temperature of the proposals.
+        future_slot: cache index of this round's `[f]` entry (ConFu), which every drafted token attends to.
     """
+    keys = None if future_slot is None else slice(future_slot, future_slot + 1)
     prefix = cache_length(cache)
     dtype, device = hidden.dtype, hidden.device
     eye = torch.eye(top_k, dtype=torch.bool, device=device)
@@ -118,7 +121,8 @@ def draft_tree(
     for level in range(1, depth):
         positions = torch.full((1, top_k), root_position + level - 1, device=device)
         out = draft(
-            draft.d2t[frontier_tokens][None], frontier_hidden, positions, additive_mask(visible, prefix, dtype), cache
+            draft.d2t[frontier_tokens][None], frontier_hidden, positions, additive_mask(visible, prefix, dtype), cache,
+            future_keys=keys,
         )
         ids, logq, q = _pick(draft.logits(out[0]), top_k, temperature)
         if q is not None:
@@ -200,18 +204,19 @@ class TreeDrafter:
         dtype = self.draft.fc.weight.dtype
         positions = torch.arange(length - n, length, device=device)
         visible = torch.ones(n, n, dtype=torch.bool, device=device).tril()
-        vector = None
+        vector, keys = None, None
         if future is not None:
             vector, anchor = future[0].reshape(1, 1, -1), future[1]
             visible = torch.cat([torch.cat([visible, (positions >= anchor)[:, None]], dim=1),
                                  (torch.arange(n + 1, device=device) == n)[None]])
             positions = torch.cat([positions, positions.new_tensor([anchor])])
             self._future_slot = length
+            keys = slice(length, length + 1)
         mask = additive_mask(visible, length - n, dtype)
-        out = self.draft(next_ids, features.to(dtype), positions[None], mask, self.cache, future=vector)
+        out = self.draft(next_ids, features.to(dtype), positions[None], mask, self.cache, future=vector, future_keys=keys)
         self.hidden = out[:, n - 1 : n]
 
     def propose(self, root: int, root_position: int) -> DraftTree:
         """Draft a tree under `root` (at `root_position` in the target sequence)."""
         return draft_tree(self.draft, self.cache, self.hidden, root, root_position, self.depth, self.top_k,
-                          self.total_tokens, self.temperature)
+                          self.total_tokens, self.temperature, self._future_slot)

@@ -122,15 +122,17 @@ def ttt_hidden_states(
     cache = DynamicCache()
     hidden = features.to(dtype)
     visible = None if future is None else future.visible
+    keys = None if future is None else slice(length, length + future.anchors.shape[1])
     outputs = []
     for step in range(steps):
         mask = ttt_attention_mask(attention_mask, step, dtype, visible)
         if step == 0 and future is not None:
             step_positions = torch.cat([positions, future.anchors], dim=1)
-            hidden = draft(shift_left(input_ids, 1), hidden, step_positions, mask, cache, future=future.vectors)
+            hidden = draft(shift_left(input_ids, 1), hidden, step_positions, mask, cache, future=future.vectors,
+                           future_keys=keys)
             hidden = hidden[:, :length]
         else:
-            hidden = draft(shift_left(input_ids, 1 + step), hidden, positions + step, mask, cache)
+            hidden = draft(shift_left(input_ids, 1 + step), hidden, positions + step, mask, cache, future_keys=keys)
         outputs.append(hidden)
     return outputs
 

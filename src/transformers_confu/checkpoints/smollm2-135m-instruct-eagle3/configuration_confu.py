@@ -41,6 +41,8 @@ class ConFuDraftConfig(PretrainedConfig):
         layer_config: the target-family config fields for the draft's decoder layer.
         contemplate: ConFu mode (future token) if true, plain EAGLE-3 if false.
         future_experts, future_top_k: the `[f]` token's mixture-of-experts embedding (ConFu only).
+        future_attention_bias: initial value of the learned attention-logit bias on the `[f]` key (ConFu only):
+            a draft trained without `[f]` barely attends to a new entry, so it starts with a head start.
         contemplate_nodes: ConFu inference: the number of tree nodes given a `[con]` token in the verify
             pass (the most likely ends of the accepted path); None gives every node one, 0 none (the draft then
             runs as EAGLE-3, without its future token).
@@ -62,6 +64,7 @@ class ConFuDraftConfig(PretrainedConfig):
         contemplate: bool = False,
         future_experts: int = 8,
         future_top_k: int = 2,
+        future_attention_bias: float = 2.0,
         contemplate_nodes: int | None = None,
         tree_depth: int = 4,
         tree_top_k: int = 4,
@@ -79,6 +82,7 @@ class ConFuDraftConfig(PretrainedConfig):
         self.contemplate = contemplate
         self.future_experts = future_experts
         self.future_top_k = future_top_k
+        self.future_attention_bias = future_attention_bias
         self.contemplate_nodes = contemplate_nodes
         self.tree_depth = tree_depth
         self.tree_top_k = tree_top_k

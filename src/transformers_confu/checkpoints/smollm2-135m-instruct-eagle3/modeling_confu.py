@@ -88,6 +88,7 @@ class ConFuDraftModel(PreTrainedModel):
         self.lm_head = nn.Linear(hidden, config.draft_vocab_size, bias=False)
         if config.contemplate:
             self.future_moe = MoEEmbedding(hidden, config.future_experts, config.future_top_k)
+            self.future_bias = nn.Parameter(torch.tensor(float(config.future_attention_bias)))
         self.register_buffer("d2t", torch.arange(config.draft_vocab_size), persistent=True)
         t2d = torch.zeros(config.vocab_size, dtype=torch.bool)
         t2d[: config.draft_vocab_size] = True
@@ -99,6 +100,16 @@ class ConFuDraftModel(PreTrainedModel):
         super()._init_weights(module)
         if isinstance(module, MoEEmbedding):
             init.normal_(module.experts, std=getattr(self.config, "initializer_range", None) or 0.02)
+        if module is self and self.config.contemplate:
+            init.constant_(self.future_bias, self.config.future_attention_bias)
+
+    def init_future_from_target(self, target: PreTrainedModel) -> None:
+        """Start the `[f]` experts as embeddings of random draft-vocabulary tokens, so that the new `[f]`
+        entry looks like a token entry to a draft trained without it (call once, before ConFu training)."""
+        table = target.get_input_embeddings().weight
+        experts = self.future_moe.experts
+        with torch.no_grad():
+            experts.copy_(table[self.d2t[torch.randint(0, len(self.d2t), (len(experts),))]].to(experts))
 
     def attach_target(self, target: PreTrainedModel) -> None:
         """Check `target` against the config and borrow its (frozen) input embedding."""
@@ -130,6 +141,7 @@ class ConFuDraftModel(PreTrainedModel):
         attention_mask: torch.Tensor,
         cache=None,
         future: torch.Tensor | None = None,
+        future_keys: slice | None = None,
     ) -> torch.Tensor:
         """One draft step over T positions (and K future entries).
 
@@ -140,6 +152,8 @@ class ConFuDraftModel(PreTrainedModel):
             attention_mask: (B, 1, T + K, past + T + K) additive float mask (0 = attend, dtype min = not).
             cache: optional `DynamicCache` for the draft's keys and values.
             future: optional (B, K, 3H) future vectors (ConFu), appended as K `[f]` entries after the T.
+            future_keys: the key columns of `[f]` entries (in the cache or appended now); the learned
+                `future_bias` is added to their attention logits.
 
         Returns:
             (B, T + K, H) the draft's hidden states: the features of its next step; `logits()` maps them to
@@ -155,6 +169,9 @@ class ConFuDraftModel(PreTrainedModel):
             hidden_states = torch.cat([hidden_states, future], dim=1)
             embeds = torch.cat([embeds, self.future_moe(future)], dim=1)
         x = torch.cat([self.input_norm(embeds), self.hidden_norm(hidden_states)], dim=-1)
+        if future_keys is not None:
+            attention_mask = attention_mask.clone()
+            attention_mask[..., future_keys] += self.future_bias.to(attention_mask.dtype)
         position_embeddings = self.rotary_emb(x, position_ids=position_ids)
         attn, _ = self.self_attn(x, position_embeddings, attention_mask, cache)
         hidden_states = hidden_states + attn
