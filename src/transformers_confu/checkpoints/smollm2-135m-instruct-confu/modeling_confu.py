@@ -1,0 +1,188 @@
+"""The ConFu / EAGLE-3 draft head: fused target features, one decoder layer of the target's family,
+a reduced-vocabulary LM head.
+
+Shapes: B batch, T tokens, H the target's hidden size, V the target vocabulary, D the draft vocabulary.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import AutoConfig, AutoModel, PreTrainedModel
+from transformers import initialization as init
+
+from .configuration_confu import ConFuDraftConfig
+
+
+class MoEEmbedding(nn.Module):
+    """A mixture-of-experts embedding: a linear router over a state picks the top-k of n learnable
+    expert embeddings and returns their sum weighted by the softmax of the chosen router logits."""
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int) -> None:
+        super().__init__()
+        if not 0 < top_k <= num_experts:
+            raise ValueError(f"MoE top_k={top_k} must be in [1, num_experts={num_experts}].")
+        self.top_k = top_k
+        self.router = nn.Linear(hidden_size, num_experts, bias=False)
+        self.experts = nn.Parameter(torch.zeros(num_experts, hidden_size))
+
+    def forward(self, state: torch.Tensor) -> torch.Tensor:
+        """(..., H) routing states -> (..., H) embeddings."""
+        scores, chosen = self.router(state).topk(self.top_k, dim=-1)
+        return (scores.softmax(dim=-1).unsqueeze(-1) * self.experts[chosen]).sum(dim=-2)
+
+
+def build_family_layer(config: ConFuDraftConfig) -> tuple[nn.Module, nn.Module, type]:
+    """Build one decoder layer and the rotary embedding of the target's family.
+
+    The layer's q/k/v projections are widened to take `[embedding; feature]` (2H) as EAGLE-3 does.
+    Returns `(layer, rotary_emb, norm_class)`.
+    """
+    family = AutoConfig.for_model(
+        config.target_model_type, **config.layer_config,
+        num_hidden_layers=1,
+        vocab_size=1,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
+    family._attn_implementation = "sdpa"
+    base = AutoModel.from_config(family, attn_implementation="sdpa")
+    layer = base.layers[0]
+    attn = layer.self_attn
+    for name in ("q_proj", "k_proj", "v_proj"):
+        old: nn.Linear = getattr(attn, name)
+        setattr(attn, name, nn.Linear(2 * old.in_features, old.out_features, bias=old.bias is not None))
+    return layer, base.rotary_emb, type(base.norm)
+
+
+class ConFuDraftModel(PreTrainedModel):
+    """EAGLE-3 draft head, plus ConFu's future token `[f]` when `config.contemplate` is true.
+
+    ConFu: the target's future vector f (a fused 3H feature read at a `[con]` token) enters the draft
+    as one extra entry whose feature is `fc(f)` and whose embedding comes from `future_moe`, routed
+    by `fc(f)`. The caller appends it through `forward(..., future=f)` and chooses with the mask which
+    queries see it.
+
+    The token embedding is the target's, frozen and not part of this model's weights: attach it
+    with `attach_target` (the assistant does this). `d2t` maps draft ids to target ids; `t2d`
+    marks the target ids the draft can emit.
+    """
+
+    config_class = ConFuDraftConfig
+    base_model_prefix = "draft"
+    _supports_sdpa = True
+
+    def __init__(self, config: ConFuDraftConfig) -> None:
+        super().__init__(config)
+        hidden = config.hidden_size
+        layer, self.rotary_emb, norm_cls = build_family_layer(config)
+        eps = config.layer_config.get("rms_norm_eps", 1e-6)
+        self.fc = nn.Linear(3 * hidden, hidden, bias=False)
+        self.input_norm = norm_cls(hidden, eps=eps)
+        self.hidden_norm = norm_cls(hidden, eps=eps)
+        self.self_attn = layer.self_attn
+        self.post_attention_layernorm = layer.post_attention_layernorm
+        self.mlp = layer.mlp
+        self.norm = norm_cls(hidden, eps=eps)
+        self.lm_head = nn.Linear(hidden, config.draft_vocab_size, bias=False)
+        if config.contemplate:
+            self.future_moe = MoEEmbedding(hidden, config.future_experts, config.future_top_k)
+            self.future_bias = nn.Parameter(torch.tensor(float(config.future_attention_bias)))
+        self.register_buffer("d2t", torch.arange(config.draft_vocab_size), persistent=True)
+        t2d = torch.zeros(config.vocab_size, dtype=torch.bool)
+        t2d[: config.draft_vocab_size] = True
+        self.register_buffer("t2d", t2d, persistent=True)
+        self._target_embeddings: list[nn.Module] = []  # a list keeps it out of state_dict
+        self.post_init()
+
+    def _init_weights(self, module: nn.Module) -> None:
+        super()._init_weights(module)
+        if isinstance(module, MoEEmbedding):
+            init.normal_(module.experts, std=getattr(self.config, "initializer_range", None) or 0.02)
+        if module is self and self.config.contemplate:
+            init.constant_(self.future_bias, self.config.future_attention_bias)
+
+    def init_future_from_target(self, target: PreTrainedModel) -> None:
+        """Start the `[f]` experts as embeddings of random draft-vocabulary tokens, so that the new `[f]`
+        entry looks like a token entry to a draft trained without it (call once, before ConFu training)."""
+        table = target.get_input_embeddings().weight
+        experts = self.future_moe.experts
+        with torch.no_grad():
+            experts.copy_(table[self.d2t[torch.randint(0, len(self.d2t), (len(experts),))]].to(experts))
+
+    def attach_target(self, target: PreTrainedModel) -> None:
+        """Check `target` against the config and borrow its (frozen) input embedding."""
+        self.config.check_target(target)
+        self._target_embeddings[:] = [target.get_input_embeddings()]
+
+    def set_vocab_map(self, draft_to_target: torch.Tensor) -> None:
+        """Set the draft vocabulary: `draft_to_target[i]` is the target id of draft id `i`."""
+        if draft_to_target.numel() != self.config.draft_vocab_size:
+            raise ValueError(
+                f"Expected {self.config.draft_vocab_size} target ids, got {draft_to_target.numel()}."
+            )
+        self.d2t.copy_(draft_to_target.to(self.d2t))
+        self.t2d.zero_()
+        self.t2d[self.d2t] = True
+
+    def embed(self, input_ids: torch.LongTensor) -> torch.Tensor:
+        """The target's embedding of `input_ids` (no gradient)."""
+        if not self._target_embeddings:
+            raise RuntimeError("No target attached: call `draft.attach_target(target_model)` first.")
+        with torch.no_grad():
+            return self._target_embeddings[0](input_ids).to(self.fc.weight.dtype)
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor,
+        hidden_states: torch.Tensor,
+        position_ids: torch.LongTensor,
+        attention_mask: torch.Tensor,
+        cache=None,
+        future: torch.Tensor | None = None,
+        future_keys: slice | None = None,
+    ) -> torch.Tensor:
+        """One draft step over T positions (and K future entries).
+
+        Args:
+            input_ids: (B, T) the NEXT token at each position.
+            hidden_states: (B, T, 3H) fused target features, or (B, T, H) the draft's own outputs.
+            position_ids: (B, T + K) positions (the future entries' last).
+            attention_mask: (B, 1, T + K, past + T + K) additive float mask (0 = attend, dtype min = not).
+            cache: optional `DynamicCache` for the draft's keys and values.
+            future: optional (B, K, 3H) future vectors (ConFu), appended as K `[f]` entries after the T.
+            future_keys: the key columns of `[f]` entries (in the cache or appended now); the learned
+                `future_bias` is added to their attention logits.
+
+        Returns:
+            (B, T + K, H) the draft's hidden states: the features of its next step; `logits()` maps them to
+            draft-vocabulary logits.
+        """
+        if hidden_states.shape[-1] != self.config.hidden_size:
+            hidden_states = self.fc(hidden_states)
+        embeds = self.embed(input_ids)
+        if future is not None:
+            if not self.config.contemplate:
+                raise ValueError("This draft has no future token: it was built with contemplate=False.")
+            future = self.fc(future.to(self.fc.weight.dtype))
+            hidden_states = torch.cat([hidden_states, future], dim=1)
+            embeds = torch.cat([embeds, self.future_moe(future)], dim=1)
+        x = torch.cat([self.input_norm(embeds), self.hidden_norm(hidden_states)], dim=-1)
+        if future_keys is not None:
+            attention_mask = attention_mask.clone()
+            attention_mask[..., future_keys] += self.future_bias.to(attention_mask.dtype)
+        position_embeddings = self.rotary_emb(x, position_ids=position_ids)
+        attn, _ = self.self_attn(x, position_embeddings, attention_mask, cache)
+        hidden_states = hidden_states + attn
+        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+
+    def logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """(…, H) draft hidden states -> (…, D) draft-vocabulary logits."""
+        return self.lm_head(self.norm(hidden_states))
+
+
+ConFuDraftConfig.register_for_auto_class()
+ConFuDraftModel.register_for_auto_class("AutoModel")
+AutoConfig.register("confu_draft", ConFuDraftConfig, exist_ok=True)
+AutoModel.register(ConFuDraftConfig, ConFuDraftModel, exist_ok=True)
