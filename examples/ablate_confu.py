@@ -115,16 +115,16 @@ def main(argv: list[str] | None = None) -> None:
         rows.append(dict(variant=name, settings=VARIANTS[name], ttt_acc_0=acc, **result))
         Path(args.out).with_suffix(".json").write_text(json.dumps(dict(args=vars(args), rows=rows), indent=2))
     control = next((r["tau"] for r in rows if r["variant"] == "eagle3-control"), None)
+    tree = "d{}k{}n{}".format(*rows[0]["tree"]) if rows else "as saved"
     lines = ["# ConFu ablations on the dev set", "",
              f"Each variant continues the shipped EAGLE-3 draft for {args.steps} steps (batch {args.batch_size}, "
              f"lr {args.lr}, data seed {args.seed}); greedy, first turns of {len(questions)} dev questions, "
-             f"{args.max_new_tokens} new tokens, tree d{{}}k{{}}n{{}} as saved. Defaults: {DEFAULTS}.", "",
+             f"{args.max_new_tokens} new tokens, tree {tree}. Defaults: {DEFAULTS}.", "",
              f"Command: `python examples/ablate_confu.py {' '.join(argv if argv is not None else sys.argv[1:])}`", "",
              "tau without f: the same ConFu draft run with `contemplate_nodes=0` (no `[con]`, no `[f]`): "
              "how much the future vector itself adds.", "",
              "| variant | tau | vs EAGLE-3 control | tau without f | TTT step-0 accuracy (last logs) |",
              "|---|---|---|---|---|"]
-    lines[2] = lines[2].format(*rows[0]["tree"]) if rows else lines[2]
     for row in rows:
         delta = f"{row['tau'] / control:.3f}x" if control else "n/a"
         without = f"{row['tau_without_f']:.3f}" if "tau_without_f" in row else "-"

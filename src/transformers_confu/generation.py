@@ -139,7 +139,7 @@ class _Target:
         index = torch.tensor(cons, device=device)
         node_rows = torch.cat([ancestry, ancestry.new_zeros(n, m)], dim=1)
         con_rows = torch.cat([ancestry[index], torch.eye(m, dtype=torch.bool, device=device)], dim=1)
-        visible = torch.cat([node_rows, con_rows]).to(device)
+        visible = torch.cat([node_rows, con_rows])
         visible = torch.cat([visible.new_ones(n + m, length), visible], dim=1)
         mask = soft_prompt_mask(visible, self.offset, torch.arange(n + m, device=device) >= n, self.model.dtype)
         con = self.adapter.con_embedding(state).to(self.model.dtype).expand(m, -1)
