@@ -58,7 +58,7 @@ def test_real_token_logits_unchanged_by_contemplate_tokens(arch):
     plain_pass.prefill(prompt)
     _, prompt_features = confu_pass.prefill(prompt)
     logits, features, _ = plain_pass.tree(tree, 9, [], None)
-    state = prompt_features[0, -1, 64:]
+    state = prompt_features[0, -1]
     logits_c, features_c, con = confu_pass.tree(tree, 9, list(range(5)), state)
     torch.testing.assert_close(logits_c, logits, rtol=0, atol=1e-5)
     torch.testing.assert_close(features_c, features, rtol=1e-5, atol=1e-5)
@@ -159,7 +159,7 @@ def test_future_vectors_match_a_direct_forward(arch):
     for b in range(2):
         for k in range(2):
             a = int(anchors[b, k])
-            con = adapter.con_embedding(features[b, a - 1, 64:])
+            con = adapter.con_embedding(features[b, a - 1])
             embeds = torch.cat([adapter.soft_prompt, target.get_input_embeddings()(ids[b, : a + 1]), con[None]])[None]
             n = a + 1
             allowed = torch.zeros(3 + n + 1, 3 + n + 1, dtype=torch.bool)

@@ -41,8 +41,8 @@ def future_visibility(anchors: torch.LongTensor, attention_mask: torch.Tensor, w
     t = torch.arange(length, device=anchors.device)
     real = attention_mask.gather(1, anchors).bool()  # (B, K)
     a = torch.where(real, anchors, torch.full_like(anchors, length + window))  # padding anchors never match
-    latest = torch.searchsorted(a.sort(dim=1).values, t.expand(len(a), -1).contiguous(), right=True) - 1
-    order = a.argsort(dim=1)
+    ordered, order = a.sort(dim=1)
+    latest = torch.searchsorted(ordered, t.expand(len(a), -1).contiguous(), right=True) - 1
     chosen = order.gather(1, latest.clamp_min(0))  # (B, T) index k of the latest anchor
     gap = t[None] - a.gather(1, chosen)
     ok = (latest >= 0) & (gap < window) & (gap >= 0)
@@ -64,7 +64,7 @@ def future_vectors(
     Args:
         real_cache: the real tokens' keys and values from the no-grad target pass.
         features: (B, T, 3H) the fused target features of that pass; the `[con]` after anchor a is
-            routed by the last third (the highest feature layer) at a - 1, the state known at inference.
+            routed by the features at a - 1, the state known at inference.
     """
     batch, length = attention_mask.shape
     soft = adapter.num_soft_tokens
@@ -72,8 +72,7 @@ def future_vectors(
     for index, ((soft_k, soft_v), layer) in enumerate(zip(adapter.soft_kv(target), real_cache.layers)):
         cache.update(soft_k.expand(batch, -1, -1, -1), soft_v.expand(batch, -1, -1, -1), index)
         cache.update(layer.keys, layer.values, index)
-    hidden = features.shape[-1] // 3
-    states = features[..., 2 * hidden:].gather(1, (anchors - 1)[..., None].expand(-1, -1, hidden))
+    states = features.gather(1, (anchors - 1)[..., None].expand(-1, -1, features.shape[-1]))
     embeds = adapter.con_embedding(states).to(target.dtype)
     t = torch.arange(length, device=anchors.device)
     sees_real = (t[None, None] <= anchors[..., None]) & attention_mask.bool()[:, None]  # (B, K, T)

@@ -24,6 +24,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from .cache import cache_kwargs
 from .modeling_confu import MoEEmbedding
+from .tree import to_additive
 
 ADAPTER_FOLDER = "contemplate_adapter"
 
@@ -97,9 +98,10 @@ class ContemplateAdapter(nn.Module, PyTorchModelHubMixin):
             cache.update(keys.clone(), values.clone(), index)
         return cache
 
-    def con_embedding(self, state: torch.Tensor) -> torch.Tensor:
-        """(..., H) target last-layer states -> (..., H) `[con]` input embeddings."""
-        return self.con_moe(state.to(self.soft_prompt.dtype))
+    def con_embedding(self, features: torch.Tensor) -> torch.Tensor:
+        """(..., 3H) fused target features of the last accepted token -> (..., H) `[con]` input embeddings,
+        routed by the highest of the three feature layers."""
+        return self.con_moe(features[..., -self.hidden_size:].to(self.soft_prompt.dtype))
 
     def save_to(self, draft_folder: str | os.PathLike) -> None:
         """Save into `<draft_folder>/contemplate_adapter/`."""
@@ -112,6 +114,4 @@ def soft_prompt_mask(visible: torch.Tensor, soft: int, soft_visible: torch.Tenso
     if visible.ndim == 2:
         visible, soft_visible = visible[None], soft_visible[None]
     soft_cols = soft_visible[..., None].expand(*soft_visible.shape, soft)
-    allowed = torch.cat([soft_cols, visible], dim=-1)
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
-    return mask.masked_fill_(~allowed, torch.finfo(dtype).min)[:, None]
+    return to_additive(torch.cat([soft_cols, visible], dim=-1), dtype)[:, None]

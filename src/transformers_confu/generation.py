@@ -127,7 +127,8 @@ class _Target:
     def tree(self, tree: DraftTree, length: int, cons: list[int], state: torch.Tensor | None
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Verify `tree` (root at position `length`) in one pass: (N, V) logits and (1, N, 3H) features at
-        the nodes, and (M, 3H) features at the `[con]` tokens of nodes `cons` (routed by `state`)."""
+        the nodes, and (M, 3H) features at the `[con]` tokens of nodes `cons` (routed by `state`, the fused
+        features of the last accepted token)."""
         ancestry = tree.ancestry().to(tree.tokens.device)
         positions = length + tree.depths
         if self.adapter is None:
@@ -209,7 +210,7 @@ def speculative_generate(
     token = _select_token(logits[-1], warpers)
     output, stopped = _append(input_ids, [token], criteria, streamer)
     next_ids, feats, length = output[:, 1:], features, prompt_len
-    future, high = None, features.shape[-1] * 2 // 3  # the routing state: the highest feature layer
+    future = None
     while not stopped:
         # Draft: catch up on the newly accepted tokens, then draft a tree under the last one.
         t0 = time.perf_counter()
@@ -218,7 +219,7 @@ def speculative_generate(
         cons = [] if adapter is None else tree.likely_ends(contemplate_nodes or len(tree))
         t1 = time.perf_counter()
         # Verify the whole tree in one target pass, accept a path, keep only its keys and values.
-        logits, features, con_features = verify.tree(tree, length, cons, feats[0, -1, high:])
+        logits, features, con_features = verify.tree(tree, length, cons, feats[0, -1])
         t2 = time.perf_counter()
         if warpers is None:
             path, token = accept_greedy(tree, logits)

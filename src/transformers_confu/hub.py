@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from .contemplate import ADAPTER_FOLDER
+
 _DATASETS = {
     "gsm8k_train.jsonl": "openai/gsm8k",
     "gpteacher_codegen_instruct.json": "teknium/GPTeacher-General-Instruct",
@@ -46,7 +48,7 @@ def model_card(draft_dir: str | Path, base_model: str, bench: dict | None = None
         f"- default tree: depth {config['tree_depth']}, top-k {config['tree_top_k']}, "
         f"{config['tree_total_tokens']} nodes", "",
     ]
-    adapter_config = draft_dir / "contemplate_adapter" / "config.json"
+    adapter_config = draft_dir / ADAPTER_FOLDER / "config.json"
     if config.get("contemplate") and adapter_config.is_file():
         adapter = json.loads(adapter_config.read_text())
         lines[-1:-1] = [

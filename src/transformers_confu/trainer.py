@@ -19,7 +19,9 @@ from transformers import (
     TrainerState,
     TrainingArguments,
 )
+from transformers.trainer import TRAINING_ARGS_NAME
 from transformers.trainer_utils import get_last_checkpoint
+from transformers.utils import SAFE_WEIGHTS_NAME
 
 from .anchors import contemplate_future
 from .configuration_confu import ConFuDraftConfig
@@ -194,13 +196,13 @@ class ConFuTrainer(Trainer):
         output_dir = output_dir or self.args.output_dir
         draft.save_pretrained(output_dir)
         adapter.save_to(output_dir)
-        torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
+        torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
         draft, adapter = self.trained_modules(model or self.model)
         if adapter is None:
             return super()._load_from_checkpoint(resume_from_checkpoint, model)
-        draft.load_state_dict(load_file(os.path.join(resume_from_checkpoint, "model.safetensors")), strict=True)
+        draft.load_state_dict(load_file(os.path.join(resume_from_checkpoint, SAFE_WEIGHTS_NAME)), strict=True)
         saved = ContemplateAdapter.from_pretrained(os.path.join(resume_from_checkpoint, ADAPTER_FOLDER))
         adapter.load_state_dict(saved.state_dict(), strict=True)
 

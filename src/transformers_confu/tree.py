@@ -64,10 +64,15 @@ class DraftTree:
         return sorted(ends.topk(count).indices.tolist())
 
 
+def to_additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Bool mask (True = may attend) -> additive float mask of the same shape: 0, or `dtype`'s minimum."""
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, torch.finfo(dtype).min)
+
+
 def additive_mask(visible: torch.Tensor, prefix: int, dtype: torch.dtype) -> torch.Tensor:
     """(Q, K) bool -> (1, 1, Q, prefix + K) additive float mask, with the whole prefix visible."""
     mask = torch.zeros(visible.shape[0], prefix + visible.shape[1], dtype=dtype, device=visible.device)
-    mask[:, prefix:].masked_fill_(~visible, torch.finfo(dtype).min)
+    mask[:, prefix:] = to_additive(visible, dtype)
     return mask[None, None]
 
 
@@ -205,10 +210,10 @@ class TreeDrafter:
         positions = torch.arange(length - n, length, device=device)
         visible = torch.ones(n, n, dtype=torch.bool, device=device).tril()
         vector, keys = None, None
-        if future is not None:
+        if future is not None:  # one more entry, [f]: seen by the rows at or after its anchor, sees itself
             vector, anchor = future[0].reshape(1, 1, -1), future[1]
-            visible = torch.cat([torch.cat([visible, (positions >= anchor)[:, None]], dim=1),
-                                 (torch.arange(n + 1, device=device) == n)[None]])
+            causal, visible = visible, torch.zeros(n + 1, n + 1, dtype=torch.bool, device=device)
+            visible[:n, :n], visible[:n, n], visible[n, n] = causal, positions >= anchor, True
             positions = torch.cat([positions, positions.new_tensor([anchor])])
             self._future_slot = length
             keys = slice(length, length + 1)

@@ -26,6 +26,7 @@ from torch import nn
 from transformers import DynamicCache, PreTrainedModel
 
 from .cache import cache_kwargs
+from .tree import to_additive
 
 
 class Future(NamedTuple):
@@ -99,8 +100,7 @@ def ttt_attention_mask(
         own = torch.eye(k, dtype=torch.bool, device=eye.device).expand(batch, k, k)
         future_rows = torch.cat([own.new_zeros(batch, k, length), own], dim=-1)
         allowed = torch.cat([allowed, future_rows], dim=1)
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
-    return mask.masked_fill_(~allowed, torch.finfo(dtype).min)[:, None]
+    return to_additive(allowed, dtype)[:, None]
 
 
 def ttt_hidden_states(
