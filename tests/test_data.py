@@ -12,11 +12,12 @@ from transformers_confu.data import (
     DataCollatorForDraft,
     build_draft_vocab,
     load_conversations,
-    regenerate_responses,
     tokenize_conversations,
 )
+from transformers_confu.regenerate import regenerate_responses
 
 REAL_DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "train"
+
 @pytest.fixture(scope="module")
 def tokenizer():
     return chat_tokenizer()
@@ -179,13 +180,27 @@ def test_collator_right_pads():
     assert all(t.dtype == torch.long for t in batch.values())
 
 
-def test_regenerate_responses_resumes(tokenizer, tmp_path):
+def _tiny_chat_model(tokenizer):
     torch.manual_seed(0)
     config = LlamaConfig(
         vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
     )
-    model = LlamaForCausalLM(config)
+    return LlamaForCausalLM(config).eval()
+
+
+REGEN_CONVS = [
+    [{"role": "user", "content": "What is 2 + 3?"}, {"role": "assistant", "content": "Old answer."}],
+    [{"role": "user", "content": "Tell me a story."}],
+    MULTI_TURN,
+    [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": "Hi"}],
+    [{"role": "user", "content": "Write add."}],
+]
+
+
+def test_regenerate_responses_resumes_and_matches_one_run(tokenizer, tmp_path):
+    model = _tiny_chat_model(tokenizer)
     calls = []
     generate = model.generate
 
@@ -195,30 +210,45 @@ def test_regenerate_responses_resumes(tokenizer, tmp_path):
         return generate(*args, **kwargs)
 
     model.generate = counting_generate
-    convs = [
-        [{"role": "user", "content": "What is 2 + 3?"}, {"role": "assistant", "content": "Old answer."}],
-        [{"role": "user", "content": "Tell me a story."}],
-        MULTI_TURN,
-        [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": "Hi"}],
-        [{"role": "user", "content": "Write add."}],
-    ]
-    ds = _dataset(convs)
-    first = regenerate_responses(ds, model, tokenizer, tmp_path, batch_size=2, max_new_tokens=3, limit=3)
+    ds = _dataset(REGEN_CONVS)
+    first = regenerate_responses(ds, model, tokenizer, tmp_path / "a", batch_size=2, max_new_tokens=3, max_minutes=0)
+    assert len(first) == 0 and calls == []  # time box of 0: nothing answered, nothing lost
+    first = regenerate_responses(ds.select(range(3)), model, tokenizer, tmp_path / "a", batch_size=2, max_new_tokens=3)
     assert len(first) == 3 and sum(calls) == 3
-    assert tokenizer.padding_side == "right"  # restored
     calls.clear()
-    full = regenerate_responses(ds, model, tokenizer, tmp_path, batch_size=2, max_new_tokens=3)
-    assert sum(calls) == 2 and len(full) == 5  # only rows 3 and 4 were generated
-    assert full.to_list()[:3] == first.to_list()
-    for row, conv in zip(full, convs):
+    full = regenerate_responses(ds, model, tokenizer, tmp_path / "a", batch_size=2, max_new_tokens=3)
+    assert sum(calls) == 2 and len(full) == 5  # only the two new prompts were answered
+    for row, conv in zip(full, REGEN_CONVS):
         prompt = conv[:-1] if conv[-1]["role"] == "assistant" else conv
         assert row["messages"][:-1] == prompt and row["messages"][-1]["role"] == "assistant"
     assert full[0]["messages"][-1]["content"] != "Old answer."
-    lines = (tmp_path / "responses.jsonl").read_text().splitlines()
-    assert sorted(json.loads(line)["index"] for line in lines) == [0, 1, 2, 3, 4]
+    stats = json.loads((tmp_path / "a" / "stats.json").read_text())
+    assert stats["rows"] == 5 and stats["new_tokens"] > 0 and stats["tokens_per_second"] > 0
     calls.clear()
-    regenerate_responses(ds, model, tokenizer, tmp_path, batch_size=2, max_new_tokens=3)
+    regenerate_responses(ds, model, tokenizer, tmp_path / "a", batch_size=2, max_new_tokens=3)
     assert calls == []
+    model.generate = generate
+    # One uninterrupted run gives the same records.
+    once = regenerate_responses(ds, model, tokenizer, tmp_path / "b", batch_size=2, max_new_tokens=3)
+    assert once.to_list() == full.to_list()
+
+
+def test_regenerate_refuses_other_settings_and_skips_torn_lines(tokenizer, tmp_path):
+    model = _tiny_chat_model(tokenizer)
+    ds = _dataset(REGEN_CONVS)
+    full = regenerate_responses(ds, model, tokenizer, tmp_path, batch_size=2, max_new_tokens=3)
+    with pytest.raises(ValueError, match="other settings.*max_new_tokens"):
+        regenerate_responses(ds, model, tokenizer, tmp_path, batch_size=2, max_new_tokens=4)
+    other = _tiny_chat_model(tokenizer)
+    with torch.no_grad():
+        other.get_input_embeddings().weight.add_(1.0)
+    with pytest.raises(ValueError, match="other settings.*target"):
+        regenerate_responses(ds, other, tokenizer, tmp_path, batch_size=2, max_new_tokens=3)
+    path = tmp_path / "responses.jsonl"
+    lines = path.read_text().splitlines()
+    path.write_text("\n".join(lines[:-1]) + "\n" + lines[-1][: len(lines[-1]) // 2])  # a write cut by a kill
+    again = regenerate_responses(ds, model, tokenizer, tmp_path, batch_size=2, max_new_tokens=3)
+    assert again.to_list() == full.to_list()
 
 
 def test_real_training_files_load():

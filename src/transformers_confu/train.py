@@ -28,9 +28,9 @@ from .data import (
     DataCollatorForDraft,
     build_draft_vocab,
     load_conversations,
-    regenerate_responses,
     tokenize_conversations,
 )
+from .regenerate import regenerate_responses
 from .modeling_confu import ConFuDraftModel
 from .target import DEFAULT_TARGET, load_target
 from .trainer import ConFuTrainer
@@ -48,7 +48,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--on-error", choices=["skip", "raise"], default="skip", help="malformed data rows")
     p.add_argument("--max-length", type=int, default=512)
     p.add_argument("--max-samples", type=int, default=None, help="use the first N shuffled conversations")
-    p.add_argument("--regenerate", action="store_true", help="answer with the target itself first (cached)")
+    p.add_argument("--regenerate", action="store_true",
+                   help="train on the target's own answers to the prompts (on-policy; cached and resumable)")
+    p.add_argument("--regenerate-dir", default=None, help="where the answers are kept (default <output-dir>/regenerated)")
+    p.add_argument("--regenerate-minutes", type=float, default=None,
+                   help="time box of the regeneration; train on what is answered by then (rerun to answer more)")
+    p.add_argument("--regenerate-only", action="store_true", help="stop after the regeneration")
+    p.add_argument("--regenerate-batch-size", type=int, default=64)
+    p.add_argument("--regenerate-max-new-tokens", type=int, default=256)
+    p.add_argument("--regenerate-temperature", type=float, default=0.0, help="0: greedy answers")
     p.add_argument("--draft-vocab-size", type=int, default=8192)
     p.add_argument("--init-from", default=None, help="start from this draft instead of a random one")
     p.add_argument("--contemplate", action="store_true",
@@ -81,7 +89,12 @@ def build_dataset(args: argparse.Namespace, target, tokenizer):
     if args.max_samples:
         conversations = conversations.select(range(min(args.max_samples, len(conversations))))
     if args.regenerate:
-        conversations = regenerate_responses(conversations, target, tokenizer, Path(args.output_dir) / "regenerated")
+        conversations = regenerate_responses(
+            conversations, target, tokenizer, args.regenerate_dir or Path(args.output_dir) / "regenerated",
+            batch_size=args.regenerate_batch_size, max_new_tokens=args.regenerate_max_new_tokens,
+            temperature=args.regenerate_temperature, max_prompt_tokens=args.max_length - 64,
+            max_minutes=args.regenerate_minutes, seed=args.seed,
+        )
     return tokenize_conversations(conversations, tokenizer, max_length=args.max_length)
 
 
@@ -120,6 +133,8 @@ def main(argv: list[str] | None = None) -> None:
     torch.manual_seed(args.seed)
     target, tokenizer = load_target(args.target)
     dataset = build_dataset(args, target, tokenizer)
+    if args.regenerate_only:
+        return
     draft, adapter = build_draft(args, target, dataset)
     training_args = ConFuTrainingArguments(
         output_dir=args.output_dir, ttt_steps=args.ttt_steps, max_minutes=args.max_minutes,
