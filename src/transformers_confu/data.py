@@ -208,15 +208,19 @@ def tokenize_conversations(
     return kept
 
 
-def build_draft_vocab(dataset: datasets.Dataset, draft_vocab_size: int, vocab_size: int) -> torch.LongTensor:
-    """Sorted target ids of the `draft_vocab_size` most frequent loss-masked tokens (ties by id; filled
-    with the lowest unused ids when fewer distinct tokens occur)."""
-    if not 0 < draft_vocab_size <= vocab_size:
-        raise ValueError(f"draft_vocab_size must be in [1, {vocab_size}], got {draft_vocab_size}")
+def _assistant_tokens(dataset: datasets.Dataset) -> np.ndarray:
     table = dataset.with_format("arrow")[:]
     ids = pc.list_flatten(table["input_ids"]).to_numpy()
-    mask = pc.list_flatten(table["loss_mask"]).to_numpy().astype(bool)
-    ids = ids[mask]
+    return ids[pc.list_flatten(table["loss_mask"]).to_numpy().astype(bool)]
+
+
+def build_draft_vocab(dataset: datasets.Dataset, draft_vocab_size: int, vocab_size: int) -> torch.LongTensor:
+    """Sorted target ids of the `draft_vocab_size` most frequent loss-masked tokens (ties by id; filled
+    with the lowest unused ids when fewer distinct tokens occur). Count them on the target's own answers
+    (`--regenerate`): the draft can only propose what is in its vocabulary."""
+    if not 0 < draft_vocab_size <= vocab_size:
+        raise ValueError(f"draft_vocab_size must be in [1, {vocab_size}], got {draft_vocab_size}")
+    ids = _assistant_tokens(dataset)
     if len(ids) and (ids.min() < 0 or ids.max() >= vocab_size):
         raise ValueError(f"token ids outside [0, {vocab_size}) in the dataset")
     counts = np.bincount(ids, minlength=vocab_size)
@@ -224,24 +228,38 @@ def build_draft_vocab(dataset: datasets.Dataset, draft_vocab_size: int, vocab_si
     return torch.from_numpy(np.sort(top)).long()
 
 
+def vocab_coverage(dataset: datasets.Dataset, draft_to_target: torch.Tensor) -> float:
+    """Fraction of the loss-masked (assistant) tokens of `dataset` that the draft vocabulary contains."""
+    ids = _assistant_tokens(dataset)
+    return float(np.isin(ids, draft_to_target.cpu().numpy()).mean()) if len(ids) else 0.0
+
+
 class DataCollatorForDraft:
-    """Right-pad rows of `input_ids` and `loss_mask` into LongTensors, adding `attention_mask`."""
+    """Right-pad rows of `input_ids` and `loss_mask` into LongTensors, adding `attention_mask`; cached target
+    outputs (`features`, `last_hidden`: (T, width) arrays, `target_ids`), when present, are padded with zeros."""
 
     def __init__(self, pad_token_id: int):
         self.pad_token_id = pad_token_id
 
-    def __call__(self, rows: list[dict]) -> dict[str, torch.LongTensor]:
+    def __call__(self, rows: list[dict]) -> dict[str, torch.Tensor]:
         length = max(len(row["input_ids"]) for row in rows)
         batch = {
             "input_ids": torch.full((len(rows), length), self.pad_token_id, dtype=torch.long),
             "loss_mask": torch.zeros((len(rows), length), dtype=torch.long),
             "attention_mask": torch.zeros((len(rows), length), dtype=torch.long),
         }
+        cached = [key for key in ("features", "last_hidden", "target_ids") if key in rows[0]]
+        for key in cached:
+            first = torch.as_tensor(rows[0][key])
+            dtype = torch.long if key == "target_ids" else first.dtype
+            batch[key] = torch.zeros((len(rows), length, *first.shape[1:]), dtype=dtype)
         for i, row in enumerate(rows):
             n = len(row["input_ids"])
             batch["input_ids"][i, :n] = torch.as_tensor(row["input_ids"], dtype=torch.long)
             batch["loss_mask"][i, :n] = torch.as_tensor(row["loss_mask"], dtype=torch.long)
             batch["attention_mask"][i, :n] = 1
+            for key in cached:
+                batch[key][i, :n] = torch.as_tensor(row[key])
         return batch
 
 

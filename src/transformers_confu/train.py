@@ -29,9 +29,11 @@ from .data import (
     build_draft_vocab,
     load_conversations,
     tokenize_conversations,
+    vocab_coverage,
 )
-from .regenerate import regenerate_responses
+from .feature_cache import build_feature_cache
 from .modeling_confu import ConFuDraftModel
+from .regenerate import regenerate_responses
 from .target import DEFAULT_TARGET, load_target
 from .trainer import ConFuTrainer
 from .training_args import ConFuTrainingArguments
@@ -57,7 +59,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--regenerate-batch-size", type=int, default=64)
     p.add_argument("--regenerate-max-new-tokens", type=int, default=256)
     p.add_argument("--regenerate-temperature", type=float, default=0.0, help="0: greedy answers")
-    p.add_argument("--draft-vocab-size", type=int, default=8192)
+    p.add_argument("--draft-vocab-size", type=int, default=8192,
+                   help="the most frequent assistant tokens of the training data (its coverage is logged)")
+    p.add_argument("--init-from-target", default="head,norm",
+                   help="fresh drafts: parts copied from the target (head, norm, layer; comma-separated) or 'none'")
+    p.add_argument("--feature-cache", default=None,
+                   help="EAGLE-3: keep the target's features here (built once, resumable); epochs then run the draft only")
+    p.add_argument("--feature-cache-minutes", type=float, default=None, help="time box of the feature-cache build")
     p.add_argument("--init-from", default=None, help="start from this draft instead of a random one")
     p.add_argument("--contemplate", action="store_true",
                    help="train a ConFu draft (future token, soft prompt, [con] MoE), e.g. from an EAGLE-3 --init-from")
@@ -69,7 +77,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--replication-window", type=int, default=4, help="ConFu: positions that reuse an anchor's f")
     p.add_argument("--contemplate-lr-scale", type=float, default=10.0,
                    help="ConFu: learning-rate multiplier of the adapter and [f] MoE (fresh modules)")
-    p.add_argument("--ttt-steps", type=int, default=4)
+    p.add_argument("--ttt-steps", type=int, default=None, help="training-time-test depth (default: the --tree depth + 1)")
     p.add_argument("--epochs", type=float, default=1.0)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--grad-accum", type=int, default=1)
@@ -111,6 +119,8 @@ def build_draft(args: argparse.Namespace, target, dataset) -> tuple[ConFuDraftMo
                                              tree_top_k=top_k, tree_total_tokens=total, **confu)
         draft = ConFuDraftModel(config)
         draft.set_vocab_map(build_draft_vocab(dataset, args.draft_vocab_size, config.vocab_size))
+        if args.init_from_target != "none":
+            draft.init_from_target(target, tuple(args.init_from_target.split(",")))
     if not draft.config.contemplate:
         return draft, None
     if args.init_from and (Path(args.init_from) / ADAPTER_FOLDER).is_dir():
@@ -135,7 +145,18 @@ def main(argv: list[str] | None = None) -> None:
     dataset = build_dataset(args, target, tokenizer)
     if args.regenerate_only:
         return
+    if args.ttt_steps is None:
+        args.ttt_steps = int(args.tree.split(",")[0]) + 1
     draft, adapter = build_draft(args, target, dataset)
+    args.vocab_coverage = vocab_coverage(dataset, draft.d2t)
+    logger.info("the draft vocabulary (%d tokens) covers %.2f%% of the training assistant tokens",
+                draft.config.draft_vocab_size, 100 * args.vocab_coverage)
+    dataset = dataset.add_column("length", [len(ids) for ids in dataset["input_ids"]])
+    if args.feature_cache:
+        if adapter is not None:
+            raise SystemExit("--feature-cache serves EAGLE-3 training; ConFu training runs the target's [con] pass.")
+        dataset = build_feature_cache(dataset, target, draft.config.feature_layers, args.feature_cache,
+                                      max_minutes=args.feature_cache_minutes)
     training_args = ConFuTrainingArguments(
         output_dir=args.output_dir, ttt_steps=args.ttt_steps, max_minutes=args.max_minutes,
         anchor_ratio=args.anchor_ratio, replication_window=args.replication_window,
@@ -147,7 +168,6 @@ def main(argv: list[str] | None = None) -> None:
         save_total_limit=2, train_sampling_strategy="group_by_length", length_column_name="length", seed=args.seed,
         dataloader_num_workers=0, dataloader_pin_memory=torch.cuda.is_available(), report_to=[], disable_tqdm=False,
     )
-    dataset = dataset.map(lambda row: {"length": len(row["input_ids"])})
     trainer = ConFuTrainer(
         model=draft, target_model=target, args=training_args, adapter=adapter, train_dataset=dataset,
         data_collator=DataCollatorForDraft(pad_token_id=tokenizer.pad_token_id or 0),

@@ -28,7 +28,7 @@ from .configuration_confu import ConFuDraftConfig
 from .contemplate import ADAPTER_FOLDER, ContemplateAdapter
 from .modeling_confu import ConFuDraftModel
 from .training_args import ConFuTrainingArguments
-from .ttt import target_features_and_logits, ttt_loss
+from .ttt import target_argmax, target_hidden, teacher_logits, ttt_loss
 
 
 class MaxMinutesCallback(TrainerCallback):
@@ -71,7 +71,10 @@ class ConFuTrainer(Trainer):
     `config.json` and `model.safetensors`, which `ConFuDraftModel.from_pretrained` reads. The
     target is frozen, put in eval mode and on the training device, and never saved. Batches carry
     `input_ids`, `loss_mask` and `attention_mask` (B, T), right-padded. Training logs add
-    `ttt_acc_i`, the accuracy of TTT step i since the last log.
+    `ttt_acc_i`, the accuracy of TTT step i since the last log within the draft vocabulary, and
+    `ttt_full_acc_i`, the same against the target's greedy token over its full vocabulary (what greedy
+    acceptance sees). Batches that carry cached target outputs (`feature_cache.py`: `features`,
+    `last_hidden`, `target_ids`) train the draft without running the target.
 
     ConFu (`adapter` given, draft built with `contemplate=True`): the soft prompt and `[con]` MoE are
     trained jointly with the draft through `[con]` tokens after sampled anchors (`anchors.py`);
@@ -98,6 +101,7 @@ class ConFuTrainer(Trainer):
         model.attach_target(self.target_model)
         self.loss_is_scaled_for_ga = False  # ttt_loss is a per-batch mean
         self._ttt_correct = torch.zeros(args.ttt_steps, device=self.args.device)
+        self._ttt_full_correct = torch.zeros(args.ttt_steps, device=self.args.device)
         self._ttt_count = torch.zeros(args.ttt_steps, device=self.args.device)
         if args.max_minutes is not None:
             self.add_callback(MaxMinutesCallback(args.max_minutes))
@@ -112,10 +116,17 @@ class ConFuTrainer(Trainer):
         """The TTT loss of one batch; `return_outputs` adds the per-step metrics."""
         draft, adapter = self.trained_modules(model)
         input_ids, attention_mask = inputs["input_ids"], inputs["attention_mask"]
-        cache = None if adapter is None else DynamicCache(config=self.target_model.config)
-        features, target_logits = target_features_and_logits(
-            self.target_model, input_ids, attention_mask, draft.config.feature_layers, draft.d2t, cache
-        )
+        if "features" in inputs:  # from the feature cache: the target does not run
+            if adapter is not None:
+                raise ValueError("ConFu training runs the target's [con] pass: train it without a feature cache.")
+            features, last_hidden, target_ids = inputs["features"], inputs["last_hidden"], inputs["target_ids"]
+        else:
+            cache = None if adapter is None else DynamicCache(config=self.target_model.config)
+            features, last_hidden = target_hidden(
+                self.target_model, input_ids, attention_mask, draft.config.feature_layers, cache
+            )
+            target_ids = target_argmax(self.target_model, last_hidden)
+        target_logits = teacher_logits(self.target_model, last_hidden, draft.d2t)
         future = None
         if adapter is not None:
             future = contemplate_future(
@@ -124,7 +135,7 @@ class ConFuTrainer(Trainer):
             )
         loss, metrics = ttt_loss(
             model, features, target_logits, input_ids, inputs["loss_mask"], attention_mask,
-            steps=self.args.ttt_steps, decay=self.args.ttt_decay, future=future,
+            steps=self.args.ttt_steps, decay=self.args.ttt_decay, future=future, target_ids=target_ids,
         )
         if model.training:
             self._accumulate_accuracy(metrics)
@@ -147,12 +158,14 @@ class ConFuTrainer(Trainer):
         """Add the per-step TTT accuracies (summed over processes) to the training logs."""
         if "loss" in logs:  # a training log: every process gets here at the same step
             correct = self.accelerator.reduce(self._ttt_correct, reduction="sum")
+            full = self.accelerator.reduce(self._ttt_full_correct, reduction="sum")
             count = self.accelerator.reduce(self._ttt_count, reduction="sum")
-            for step, (c, n) in enumerate(zip(correct.tolist(), count.tolist())):
+            for step, (c, f, n) in enumerate(zip(correct.tolist(), full.tolist(), count.tolist())):
                 if n > 0:
                     logs[f"ttt_acc_{step}"] = c / n
-            self._ttt_correct.zero_()
-            self._ttt_count.zero_()
+                    logs[f"ttt_full_acc_{step}"] = f / n
+            for buffer in (self._ttt_correct, self._ttt_full_correct, self._ttt_count):
+                buffer.zero_()
         super().log(logs, start_time)
 
     def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs: Any):
@@ -217,4 +230,5 @@ class ConFuTrainer(Trainer):
         for step in range(self.args.ttt_steps):
             count = metrics[f"count_{step}"]
             self._ttt_correct[step] += metrics[f"acc_{step}"] * count
+            self._ttt_full_correct[step] += metrics[f"full_acc_{step}"] * count
             self._ttt_count[step] += count

@@ -38,6 +38,44 @@ class Future(NamedTuple):
     visible: torch.Tensor
 
 
+def target_hidden(
+    target: PreTrainedModel,
+    input_ids: torch.LongTensor,
+    attention_mask: torch.Tensor,
+    feature_layers: list[int],
+    cache: DynamicCache | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One frozen target forward: `(features, last_hidden)`, (B, T, 3H) the concatenated hidden states of
+    `feature_layers` (indices into the `hidden_states` tuple) and (B, T, H) the final (normed) hidden state,
+    from which `teacher_logits` and `target_argmax` read the target's distribution. `cache`: a
+    `DynamicCache` to fill with the real tokens' keys and values (ConFu's `[con]` pass reads it)."""
+    with torch.no_grad():
+        kwargs = {} if cache is None else cache_kwargs(target.base_model, cache)
+        out = target.base_model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True,
+                                use_cache=cache is not None, **kwargs)
+        features = torch.cat([out.hidden_states[i] for i in feature_layers], dim=-1)
+    return features, out.last_hidden_state
+
+
+def teacher_logits(target: PreTrainedModel, last_hidden: torch.Tensor, d2t: torch.LongTensor) -> torch.Tensor:
+    """(..., H) final hidden states -> (..., D) the target's logits restricted to the draft vocabulary `d2t`
+    (equal to the full logits[..., d2t], without materialising the full-vocabulary tensor). The output head
+    must be a plain linear map (Llama, Qwen2, ...)."""
+    head: nn.Linear = target.get_output_embeddings()
+    bias = None if head.bias is None else head.bias[d2t]
+    with torch.no_grad():
+        return F.linear(last_hidden.to(head.weight.dtype), head.weight[d2t], bias)
+
+
+def target_argmax(target: PreTrainedModel, last_hidden: torch.Tensor, chunk: int = 4096) -> torch.LongTensor:
+    """(B, T, H) final hidden states -> (B, T) the target's greedy token over its FULL vocabulary."""
+    head: nn.Linear = target.get_output_embeddings()
+    flat = last_hidden.reshape(-1, last_hidden.shape[-1]).to(head.weight.dtype)
+    with torch.no_grad():
+        ids = [head(flat[i : i + chunk]).argmax(dim=-1) for i in range(0, len(flat), chunk)]
+    return torch.cat(ids).reshape(last_hidden.shape[:-1]) if ids else flat.new_zeros(last_hidden.shape[:-1], dtype=torch.long)
+
+
 def target_features_and_logits(
     target: PreTrainedModel,
     input_ids: torch.LongTensor,
@@ -46,30 +84,9 @@ def target_features_and_logits(
     d2t: torch.LongTensor,
     cache: DynamicCache | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One frozen target forward: the fused features and the logits over the draft vocabulary.
-
-    Args:
-        target: the target causal LM; its output head must be a plain linear map (Llama, Qwen2, ...).
-        input_ids: (B, T) token ids.
-        attention_mask: (B, T) 1 for real tokens, 0 for padding.
-        feature_layers: 3 indices into the target's `hidden_states` tuple.
-        d2t: (D,) target id of each draft id.
-        cache: a `DynamicCache` to fill with the real tokens' keys and values (ConFu's `[con]` pass reads it).
-
-    Returns:
-        `(features, logits)`: (B, T, 3H) the concatenated hidden states, and (B, T, D) the target's
-        logits restricted to the draft vocabulary (equal to the full logits[..., d2t], without
-        materialising the (B, T, V) tensor).
-    """
-    with torch.no_grad():
-        kwargs = {} if cache is None else cache_kwargs(target.base_model, cache)
-        out = target.base_model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True,
-                                use_cache=cache is not None, **kwargs)
-        features = torch.cat([out.hidden_states[i] for i in feature_layers], dim=-1)
-        head: nn.Linear = target.get_output_embeddings()
-        bias = None if head.bias is None else head.bias[d2t]
-        logits = F.linear(out.last_hidden_state, head.weight[d2t], bias)
-    return features, logits
+    """`target_hidden` then `teacher_logits`: (B, T, 3H) fused features and (B, T, D) draft-vocabulary logits."""
+    features, last_hidden = target_hidden(target, input_ids, attention_mask, feature_layers, cache)
+    return features, teacher_logits(target, last_hidden, d2t)
 
 
 def shift_left(x: torch.Tensor, n: int, fill: int = 0) -> torch.Tensor:
@@ -164,6 +181,7 @@ def ttt_loss(
     steps: int = 4,
     decay: float = 0.8,
     future: Future | None = None,
+    target_ids: torch.LongTensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The EAGLE-3 TTT loss: sum over steps i of decay**i * mean soft cross-entropy at step i.
 
@@ -175,11 +193,13 @@ def ttt_loss(
         steps: number of unrolled steps k.
         decay: weight of step i is decay**i.
         future: ConFu's future vectors at the anchors and which positions see them (None: EAGLE-3).
+        target_ids: (B, T) the target's greedy token over its full vocabulary (`target_argmax`), for `full_acc_i`.
 
     Returns:
         `(loss, metrics)`; metrics hold detached scalars per step i: `loss_i` (unweighted mean
-        cross-entropy), `acc_i` (draft argmax == teacher argmax; 0 when nothing is trained) and
-        `count_i` (number of trained positions).
+        cross-entropy), `acc_i` (draft argmax == teacher argmax within the draft vocabulary; 0 when nothing
+        is trained), `count_i` (number of trained positions) and, with `target_ids`, `full_acc_i` (the draft's
+        token == the target's greedy token over the full vocabulary: what greedy acceptance sees).
     """
     head = _unwrap(draft)
     hidden_states = ttt_hidden_states(draft, features, input_ids, attention_mask, steps, future)
@@ -196,6 +216,9 @@ def ttt_loss(
         metrics[f"loss_{step}"] = step_loss.detach()
         metrics[f"acc_{step}"] = correct.float() / count
         metrics[f"count_{step}"] = torch.tensor(len(rows), device=features.device)
+        if target_ids is not None:
+            drafted = head.d2t[logits.argmax(dim=-1)]
+            metrics[f"full_acc_{step}"] = (drafted == target_ids[rows, cols + 1 + step]).sum().float() / count
     return loss, metrics
 
 

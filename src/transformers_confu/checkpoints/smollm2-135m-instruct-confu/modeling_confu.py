@@ -111,6 +111,36 @@ class ConFuDraftModel(PreTrainedModel):
         with torch.no_grad():
             experts.copy_(table[self.d2t[torch.randint(0, len(self.d2t), (len(experts),))]].to(experts))
 
+    def init_from_target(self, target: PreTrainedModel, parts: tuple[str, ...] = ("head", "norm")) -> None:
+        """Copy what fits from the target before training (after `set_vocab_map`).
+
+        `head`: the LM head rows of the draft vocabulary from the target's output embedding (the draft then
+        starts in the target's output space); `norm`: the final norm from the target's; `layer`: the MLP,
+        post-attention norm, output projection and the feature half of the q/k/v projections from the
+        target's last decoder layer (the embedding half keeps its random init)."""
+        unknown = set(parts) - {"head", "norm", "layer"}
+        if unknown:
+            raise ValueError(f"Unknown init part(s) {sorted(unknown)}: choose among head, norm, layer.")
+        self.config.check_target(target)
+        with torch.no_grad():
+            if "head" in parts:
+                head = target.get_output_embeddings()
+                if head.bias is not None or self.lm_head.bias is not None:
+                    raise ValueError("init part 'head' needs bias-free output heads.")
+                self.lm_head.weight.copy_(head.weight[self.d2t].to(self.lm_head.weight))
+            if "norm" in parts:
+                self.norm.load_state_dict(target.base_model.norm.state_dict())
+            if "layer" in parts:
+                last = target.base_model.layers[-1]
+                self.mlp.load_state_dict(last.mlp.state_dict())
+                self.post_attention_layernorm.load_state_dict(last.post_attention_layernorm.state_dict())
+                self.self_attn.o_proj.load_state_dict(last.self_attn.o_proj.state_dict())
+                for name in ("q_proj", "k_proj", "v_proj"):
+                    ours, theirs = getattr(self.self_attn, name), getattr(last.self_attn, name)
+                    ours.weight[:, theirs.in_features :].copy_(theirs.weight)
+                    if theirs.bias is not None:
+                        ours.bias.copy_(theirs.bias)
+
     def attach_target(self, target: PreTrainedModel) -> None:
         """Check `target` against the config and borrow its (frozen) input embedding."""
         self.config.check_target(target)
