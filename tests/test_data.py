@@ -18,6 +18,7 @@ from transformers_confu.regenerate import regenerate_responses
 
 REAL_DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "train"
 
+
 @pytest.fixture(scope="module")
 def tokenizer():
     return chat_tokenizer()
@@ -163,7 +164,8 @@ def test_build_draft_vocab():
     assert build_draft_vocab(ds, 3, 10).tolist() == [3, 7, 9]
     top4 = build_draft_vocab(ds, 4, 10)
     assert top4.dtype == torch.long and top4.tolist() == [3, 5, 7, 9]  # tie 5 vs 8 broken by id
-    assert build_draft_vocab(ds, 7, 10).tolist() == [0, 1, 3, 5, 7, 8, 9]  # filled with lowest unused ids
+    assert build_draft_vocab(ds, 6, 10).tolist() == [1, 3, 5, 7, 8, 9]  # then prompt tokens (1 occurs 5 times)
+    assert build_draft_vocab(ds, 7, 10).tolist() == [0, 1, 3, 5, 7, 8, 9]  # then the lowest unused ids
     filtered = ds.filter(lambda r: r["input_ids"][0] == 1)  # indices mapping must be respected
     assert build_draft_vocab(filtered, 2, 10).tolist() == [5, 8]
     with pytest.raises(ValueError):

@@ -208,29 +208,31 @@ def tokenize_conversations(
     return kept
 
 
-def _assistant_tokens(dataset: datasets.Dataset) -> np.ndarray:
+def _tokens(dataset: datasets.Dataset, assistant_only: bool = True) -> np.ndarray:
     table = dataset.with_format("arrow")[:]
     ids = pc.list_flatten(table["input_ids"]).to_numpy()
-    return ids[pc.list_flatten(table["loss_mask"]).to_numpy().astype(bool)]
+    return ids[pc.list_flatten(table["loss_mask"]).to_numpy().astype(bool)] if assistant_only else ids
 
 
 def build_draft_vocab(dataset: datasets.Dataset, draft_vocab_size: int, vocab_size: int) -> torch.LongTensor:
-    """Sorted target ids of the `draft_vocab_size` most frequent loss-masked tokens (ties by id; filled
-    with the lowest unused ids when fewer distinct tokens occur). Count them on the target's own answers
-    (`--regenerate`): the draft can only propose what is in its vocabulary."""
+    """Sorted target ids of the `draft_vocab_size` most frequent loss-masked (assistant) tokens; once those run
+    out, the most frequent tokens of the whole conversations (prompts included: answers copy from them), then
+    the lowest unused ids. Count them on the target's own answers (`--regenerate`): the draft can only propose
+    what is in its vocabulary."""
     if not 0 < draft_vocab_size <= vocab_size:
         raise ValueError(f"draft_vocab_size must be in [1, {vocab_size}], got {draft_vocab_size}")
-    ids = _assistant_tokens(dataset)
-    if len(ids) and (ids.min() < 0 or ids.max() >= vocab_size):
+    everything = _tokens(dataset, assistant_only=False)
+    if len(everything) and (everything.min() < 0 or everything.max() >= vocab_size):
         raise ValueError(f"token ids outside [0, {vocab_size}) in the dataset")
-    counts = np.bincount(ids, minlength=vocab_size)
-    top = np.argsort(-counts, kind="stable")[:draft_vocab_size]
+    answers = np.bincount(_tokens(dataset), minlength=vocab_size)
+    anywhere = np.bincount(everything, minlength=vocab_size)
+    top = np.lexsort((np.arange(vocab_size), -anywhere, -answers))[:draft_vocab_size]
     return torch.from_numpy(np.sort(top)).long()
 
 
 def vocab_coverage(dataset: datasets.Dataset, draft_to_target: torch.Tensor) -> float:
     """Fraction of the loss-masked (assistant) tokens of `dataset` that the draft vocabulary contains."""
-    ids = _assistant_tokens(dataset)
+    ids = _tokens(dataset)
     return float(np.isin(ids, draft_to_target.cpu().numpy()).mean()) if len(ids) else 0.0
 
 
