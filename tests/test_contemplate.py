@@ -45,6 +45,24 @@ def test_greedy_identity_with_contemplate_tokens(arch, budget, contemplate_nodes
         assert stats.fresh_futures <= stats.target_forwards
 
 
+@pytest.mark.parametrize("contemplate_nodes", [0, 1, 2])
+def test_contemplate_nodes_bounds_the_con_tokens_per_pass(contemplate_nodes, monkeypatch):
+    """0 sends no `[con]` at all (the draft never gets an f); m > 0 at most m per verify pass."""
+    target = tiny_target("llama")
+    assistant = confu_assistant(target, contemplate_nodes=contemplate_nodes, depth=3, top_k=2, total_tokens=6)
+    sent, tree_pass = [], _Target.tree
+    monkeypatch.setattr(_Target, "tree", lambda self, tree, length, cons, state: sent.append(len(cons))
+                        or tree_pass(self, tree, length, cons, state))
+    ids = torch.randint(0, 128, (1, 7), generator=torch.Generator().manual_seed(0))
+    out = target.generate(ids, max_new_tokens=20, do_sample=False, assistant_model=assistant)
+    assert torch.equal(out, plain(target, ids, max_new_tokens=20))
+    assert sent and max(sent) == contemplate_nodes
+    if contemplate_nodes == 0:
+        assert assistant.stats.fresh_futures == 0
+    else:
+        assert assistant.stats.fresh_futures > 0
+
+
 def test_real_token_logits_unchanged_by_contemplate_tokens(arch):
     """The tree pass with soft prompt and a [con] per node gives the same logits and features on the real
     tokens as the plain tree pass, and the [con] tokens' own features do depend on the adapter."""

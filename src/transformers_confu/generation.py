@@ -137,7 +137,7 @@ class _Target:
                                              attention_mask=mask)
             return logits, features, None
         n, m, device = len(tree), len(cons), tree.tokens.device
-        index = torch.tensor(cons, device=device)
+        index = torch.tensor(cons, dtype=torch.long, device=device)
         node_rows = torch.cat([ancestry, ancestry.new_zeros(n, m)], dim=1)
         con_rows = torch.cat([ancestry[index], torch.eye(m, dtype=torch.bool, device=device)], dim=1)
         visible = torch.cat([node_rows, con_rows])
@@ -216,7 +216,8 @@ def speculative_generate(
         t0 = time.perf_counter()
         drafter.catch_up(next_ids, feats, length, future)
         tree = drafter.propose(token, length)
-        cons = [] if adapter is None else tree.likely_ends(contemplate_nodes or len(tree))
+        cons = [] if adapter is None or contemplate_nodes == 0 else tree.likely_ends(
+            len(tree) if contemplate_nodes is None else contemplate_nodes)
         t1 = time.perf_counter()
         # Verify the whole tree in one target pass, accept a path, keep only its keys and values.
         logits, features, con_features = verify.tree(tree, length, cons, feats[0, -1])

@@ -15,6 +15,12 @@ _DATASETS = {
 }
 
 
+def _con_tokens(nodes: int | None) -> str:
+    if nodes is None:
+        return "one per tree node"
+    return "none (the draft runs without its future token)" if nodes == 0 else f"{nodes} (the likeliest path ends)"
+
+
 def model_card(draft_dir: str | Path, base_model: str, bench: dict | None = None, hardware: str = "",
                notes: str = "") -> str:
     """A Hub model card (with metadata header) for the draft in `draft_dir`.
@@ -57,7 +63,7 @@ def model_card(draft_dir: str | Path, base_model: str, bench: dict | None = None
             f"- target-side adapter (`contemplate_adapter/`, the target itself is unchanged): "
             f"{adapter['num_soft_tokens']} soft-prompt tokens seen only by `[con]` tokens, `[con]` MoE embedding "
             f"of {adapter['num_experts']} experts, top-{adapter['top_k']}",
-            f"- `[con]` tokens per verify pass: {config.get('contemplate_nodes') or 'one per tree node'}",
+            f"- `[con]` tokens per verify pass: {_con_tokens(config.get('contemplate_nodes'))}",
         ]
     if record:
         logs = record.get("last_logs") or [{}]

@@ -55,9 +55,11 @@ class DraftTree:
 
     def likely_ends(self, count: int) -> list[int]:
         """The `count` nodes the accepted path most likely ends at, by the draft's own estimate:
-        P(reach node) minus P(reach one of its verified children). All nodes without `scores`."""
-        if self.scores is None or count >= len(self):
+        P(reach node) minus P(reach one of its verified children). Without `scores`, the `count` deepest nodes."""
+        if count >= len(self):
             return list(range(len(self)))
+        if self.scores is None:
+            return list(range(len(self) - count, len(self)))
         reach = self.scores.float().exp()
         ends = reach.clone()
         ends.index_add_(0, torch.tensor(self.parents[1:], device=reach.device), -reach[1:])
