@@ -83,3 +83,12 @@ def test_bench_runs_a_confu_draft_in_each_mode_and_assisted_decoding(tmp_path):
     assert list(summary["table"]) == names
     assert summary["mismatches"] == {}
     assert all(summary["table"][n]["overall"]["identical"] is True for n in names)
+
+
+def test_packaged_spec_bench_questions_load_by_default():
+    from transformers_confu.questions import DEFAULT_QUESTIONS, PACKAGED_QUESTIONS, load_questions
+
+    assert DEFAULT_QUESTIONS.as_posix().endswith(PACKAGED_QUESTIONS)
+    rows = load_questions()
+    assert len(rows) == 240 and len({r["category"] for r in rows}) == 13
+    assert len(load_questions(per_category=1)) == 13

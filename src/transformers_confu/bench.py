@@ -22,7 +22,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .assistant import ConFuAssistant
-from .questions import DEFAULT_QUESTIONS, chat_input_ids, load_questions
+from .questions import DEFAULT_QUESTIONS, PACKAGED_QUESTIONS, chat_input_ids, load_questions
 from .target import DEFAULT_DRAFT, DEFAULT_TARGET, load_target
 
 
@@ -246,7 +246,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default=DEFAULT_TARGET, help="the embedded default target, a folder or a Hub id")
     p.add_argument("--drafts", nargs="*", default=[str(DEFAULT_DRAFT)], help="draft folders or Hub ids")
-    p.add_argument("--questions", default=str(DEFAULT_QUESTIONS), help="Spec-Bench style question .jsonl")
+    p.add_argument("--questions", default=None,
+                   help="Spec-Bench / MT-bench style question .jsonl (default: the packaged Spec-Bench dev half)")
     p.add_argument("--limit", type=int, default=None, help="at most this many questions")
     p.add_argument("--per-category", type=int, default=None, help="at most this many questions per category")
     p.add_argument("--max-new-tokens", type=int, default=128)
@@ -277,7 +278,7 @@ def main(argv=None) -> dict:
     greedy = args.temperature == 0
     sampling = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=args.temperature)
     trees = _budgets(args.trees)
-    questions = load_questions(args.questions, args.limit, args.per_category)
+    questions = load_questions(args.questions or DEFAULT_QUESTIONS, args.limit, args.per_category)
     calibration = {}
     if args.auto_tree:
         for path in args.drafts:
@@ -296,7 +297,7 @@ def main(argv=None) -> dict:
     table = summarize(records, greedy, mismatches)
     meta = dict(target=args.target, hardware=f"{platform.machine()} CPU, {torch.get_num_threads()} threads"
                 if not torch.cuda.is_available() else torch.cuda.get_device_name(), questions=len(questions),
-                question_file=args.questions, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                question_file=args.questions or PACKAGED_QUESTIONS, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                 seed=args.seed, command="confu-bench " + " ".join(argv if argv is not None else sys.argv[1:]))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
