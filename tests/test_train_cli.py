@@ -47,6 +47,8 @@ def test_train_in_two_pieces_then_load(tmp_path):
     card = model_card(tmp_path / "run" / "final", "tiny-llama")
     assert card.startswith("---\nlibrary_name: transformers-confu") and "- openai/gsm8k" in card
     assert "steps 12 of 12" in card and "confu-train --target" in card
+    values = [x for v in record["args"].values() for x in (v if isinstance(v, list) else [v])]
+    assert {v for v in values if isinstance(v, str) and "/" in v} <= set(argv)  # no path the package made up
 
 
 def test_confu_training_from_an_eagle3_draft_resumes_and_loads(tmp_path):

@@ -284,7 +284,7 @@ def main(argv=None) -> dict:
         for path in args.drafts:
             best, speeds = auto_tree(model, tokenizer, path, questions[: args.auto_questions],
                                      _budgets(args.auto_candidates), args.max_new_tokens, sampling)
-            calibration[path] = dict(chosen=best, tokens_per_s=speeds)
+            calibration[Path(path).name] = dict(chosen=best, tokens_per_s=speeds)
             trees = trees + [best] if best not in trees else trees
     nodes = [None if x.strip() == "all" else int(x) for x in args.contemplate_nodes.split(",")]
     assistant_model = None
@@ -309,8 +309,8 @@ def main(argv=None) -> dict:
     summary = dict(meta=meta, table=table, mismatches=mismatches, auto_tree=calibration)
     out.with_suffix(".json").write_text(json.dumps(summary, indent=2))
     text = markdown(table, meta)
-    for path, cal in calibration.items():
-        text += (f"\n## --auto-tree calibration for {Path(path).name}\n\nchosen d{cal['chosen'][0]}k{cal['chosen'][1]}"
+    for name, cal in calibration.items():
+        text += (f"\n## --auto-tree calibration for {name}\n\nchosen d{cal['chosen'][0]}k{cal['chosen'][1]}"
                  f"n{cal['chosen'][2]}; tokens/s per candidate: " +
                  ", ".join(f"{k} {v:.2f}" for k, v in cal["tokens_per_s"].items()) + "\n")
     if mismatches:
