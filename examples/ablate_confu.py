@@ -56,8 +56,8 @@ def train(name: str, settings: dict | None, args: argparse.Namespace) -> Path:
             (out / "final" / "training_record.json").read_text())["finished"]:
         return out / "final"
     command = [sys.executable, "-m", "transformers_confu.train", "--init-from", str(EAGLE3_DRAFT),
-               "--output-dir", str(out), "--max-samples", str(args.steps * args.batch_size), "--seed", str(args.seed),
-               "--batch-size", str(args.batch_size), "--lr", str(args.lr), "--warmup-steps", "5", "--save-minutes", "3"]
+               "--data", *args.data, "--output-dir", str(out), "--max-samples", str(args.steps * args.batch_size),
+               "--seed", str(args.seed), "--batch-size", str(args.batch_size), "--lr", str(args.lr), "--warmup-steps", "5", "--save-minutes", "3"]
     if settings is not None:
         merged = {**DEFAULTS, **settings}
         command += ["--contemplate"] + [x for k, v in merged.items() for x in (f"--{k.replace('_', '-')}", str(v))]
@@ -94,6 +94,8 @@ def evaluate(path: Path, model, tokenizer, questions: list[dict], max_new_tokens
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=40, help="training steps per variant")
+    p.add_argument("--data", nargs="+", default=["../shared/data/train"],
+                   help="training data for confu-train --data (default: the workspace's data, from the repository root)")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--lr", type=float, default=2e-4)
     p.add_argument("--seed", type=int, default=2, help="data shuffle of the ablation runs")

@@ -20,11 +20,11 @@ def tiny_target(arch: str = "llama", vocab_size: int = 128, seed: int = 0, init:
     """A 4-layer random target; a large init makes its next-token distributions peaked (few near-ties)."""
     config_cls, model_cls = ARCHS[arch]
     torch.manual_seed(seed)
-    config = config_cls(
+    config = config_cls(**dict(
         vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
         num_attention_heads=4, num_key_value_heads=2, initializer_range=init, max_position_embeddings=512,
-        bos_token_id=None, eos_token_id=None, pad_token_id=None, tie_word_embeddings=tie_word_embeddings, **overrides,
-    )
+        bos_token_id=None, eos_token_id=None, pad_token_id=None, tie_word_embeddings=tie_word_embeddings,
+    ) | overrides)
     return model_cls(config).eval().requires_grad_(False)
 
 

@@ -29,7 +29,7 @@ def test_bench_end_to_end_writes_spec_bench_answers_tables_and_plots(tmp_path):
                     str(write_questions(tmp_path / "q.jsonl")), "--max-new-tokens", "12", "--trees", "3,2,5;2,1,3",
                     "--prompt-lookup", "3", "--auto-tree", "--auto-candidates", "1,1,2;2,1,3", "--auto-questions", "2",
                     "--out", str(out)])
-    chosen = "d{}k{}n{}".format(*summary["auto_tree"][str(tmp_path / "draft")]["chosen"])
+    chosen = "d{}k{}n{}".format(*summary["auto_tree"]["draft"]["chosen"])
     assert chosen in ("d1k1n2", "d2k1n3")
     methods = ["generate", "prompt_lookup3", "eagle3:draft:d3k2n5", "eagle3:draft:d2k1n3"]
     methods += [] if chosen == "d2k1n3" else ["eagle3:draft:d1k1n2"]
@@ -83,3 +83,16 @@ def test_bench_runs_a_confu_draft_in_each_mode_and_assisted_decoding(tmp_path):
     assert list(summary["table"]) == names
     assert summary["mismatches"] == {}
     assert all(summary["table"][n]["overall"]["identical"] is True for n in names)
+
+
+def test_packaged_spec_bench_questions_load_by_default():
+    from transformers_confu.questions import (
+        DEFAULT_QUESTIONS,
+        PACKAGED_QUESTIONS,
+        load_questions,
+    )
+
+    assert DEFAULT_QUESTIONS.as_posix().endswith(PACKAGED_QUESTIONS)
+    rows = load_questions()
+    assert len(rows) == 240 and len({r["category"] for r in rows}) == 13
+    assert len(load_questions(per_category=1)) == 13

@@ -3,6 +3,7 @@ import logging
 from pathlib import Path
 
 import datasets
+import pandas as pd
 import pytest
 import torch
 from conftest import chat_tokenizer
@@ -11,9 +12,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from transformers_confu.data import (
     DataCollatorForDraft,
     build_draft_vocab,
-    load_conversations,
     tokenize_conversations,
 )
+from transformers_confu.data_sources import find_sources, load_conversations
 from transformers_confu.regenerate import regenerate_responses
 
 REAL_DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "train"
@@ -38,12 +39,13 @@ def _write_fixtures(d: Path) -> None:
         {"instruction": "Broken", "input": "", "response": 3},
     ]
     (d / "gpteacher_codegen_instruct.json").write_text(json.dumps(codegen))
-    roleplay = [{"instruction": "Be a pirate.", "input": "", "response": "Arr!"}, "not an object"]
+    roleplay = [{"instruction": "Be a pirate.", "input": "", "response": "Arr!"}]
     (d / "gpteacher_roleplay_instruct.json").write_text(json.dumps(roleplay))
     self_instruct = [
         {"id": "t0", "instruction": "Fix it.", "instances": [{"input": "teh cat", "output": "the cat"}]},
         {"id": "t1", "instruction": "Greet.", "instances": [{"input": "", "output": "Hello!"}]},
         {"id": "t2", "instruction": "No instances.", "instances": []},
+        "not an object",
     ]
     (d / "self_instruct_user_oriented.jsonl").write_text("\n".join(map(json.dumps, self_instruct)) + "\n")
     ultra = [{"class": " Vicuna ", "data": "Tell me a story."}, {"class": " Writing ", "data": None}]
@@ -64,7 +66,7 @@ def _by_source(ds):
 
 
 def test_load_conversations_converts_each_format(data_dir):
-    convs = _by_source(load_conversations(data_dir))
+    convs = _by_source(load_conversations(find_sources(data_dir=data_dir)))
     assert convs["gsm8k_train.jsonl"] == [
         [{"role": "user", "content": "What is 2 + 3?"}, {"role": "assistant", "content": "2 + 3 = 5\n#### 5"}],
         [{"role": "user", "content": "Q2"}, {"role": "assistant", "content": "A2"}],
@@ -85,30 +87,112 @@ def test_load_conversations_converts_each_format(data_dir):
 
 
 def test_malformed_rows_are_reported_and_skipped(data_dir, caplog):
-    with caplog.at_level(logging.WARNING, logger="transformers_confu.data"):
-        ds = load_conversations(data_dir)
+    with caplog.at_level(logging.WARNING, logger="transformers_confu.data_sources"):
+        ds = load_conversations(find_sources(data_dir=data_dir))
     text = caplog.text
     assert len(ds) == 2 + 2 + 1 + 2 + 1
     for where in [
         "gsm8k_train.jsonl line 2",
         "gsm8k_train.jsonl line 3",
-        "gpteacher_codegen_instruct.json item 2",
-        "gpteacher_roleplay_instruct.json item 1",
+        "gpteacher_codegen_instruct.json row 2",
         "self_instruct_user_oriented.jsonl line 3",
-        "ultrachat_ultra_eval.json item 1",
+        "self_instruct_user_oriented.jsonl line 4",
+        "ultrachat_ultra_eval.json row 1",
     ]:
         assert where in text
     assert "gsm8k_train.jsonl: 2 conversations loaded, 2 malformed rows skipped" in text
 
 
-def test_malformed_rows_raise_and_unknown_files_rejected(data_dir):
-    with pytest.raises(ValueError, match="gsm8k_train.jsonl line 2"):
-        load_conversations(data_dir, files=["gsm8k_train.jsonl"], on_error="raise")
-    with pytest.raises(ValueError, match="known files"):
-        load_conversations(data_dir, files=["nope.jsonl"])
+def test_malformed_rows_raise_and_unreadable_files_are_named(data_dir):
+    with pytest.raises(ValueError, match="gsm8k_train.jsonl line 2: invalid JSON"):
+        load_conversations(find_sources(data_dir=data_dir, files=["gsm8k_train.jsonl"]), on_error="raise")
+    with pytest.raises(FileNotFoundError, match="nope.jsonl"):
+        find_sources(data_dir=data_dir, files=["nope.jsonl"])
     (data_dir / "gpteacher_codegen_instruct.json").write_text(json.dumps(["x"])[:-1])
-    with pytest.raises(ValueError, match="gpteacher_codegen_instruct.json"):
-        load_conversations(data_dir, files=["gpteacher_codegen_instruct.json"])
+    with pytest.raises(ValueError, match="Could not read the file 'gpteacher_codegen_instruct.json'"):
+        load_conversations([str(data_dir / "gpteacher_codegen_instruct.json")])
+    (data_dir / "notes.txt").write_text("hello")
+    with pytest.raises(ValueError, match="unsupported file type '.txt'"):
+        load_conversations([str(data_dir / "notes.txt")])
+
+
+def test_no_data_says_how_to_pass_some(tmp_path):
+    with pytest.raises(ValueError, match="--data FILE_OR_HUB_ID"):
+        find_sources()
+    with pytest.raises(ValueError, match="--data FILE_OR_HUB_ID"):
+        load_conversations([])
+    with pytest.raises(FileNotFoundError, match="No .jsonl/.json/.parquet file"):
+        find_sources(data_dir=tmp_path)
+    with pytest.raises(ValueError, match="pass --data-dir too"):
+        find_sources(files=["a.jsonl"])
+
+
+CHAT_LAYOUTS = {
+    "messages": {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+                              {"role": "assistant", "content": "Hello."}]},
+    "sharegpt": {"conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello."},
+                                   {"from": "human", "value": "Bye"}, {"from": "gpt", "value": "Bye."}]},
+    "alpaca": {"instruction": "Add.", "input": "1, 2", "output": "3"},
+    "qa": {"question": "2+2?", "answer": "4"},
+    "ultrachat": {"data": ["Hi", "Hello.", "Bye", "Bye."]},
+}
+EXPECTED = {
+    "messages": [[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+                  {"role": "assistant", "content": "Hello."}]],
+    "sharegpt": [[{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."},
+                  {"role": "user", "content": "Bye"}, {"role": "assistant", "content": "Bye."}]],
+    "alpaca": [[{"role": "user", "content": "Add.\n\n1, 2"}, {"role": "assistant", "content": "3"}]],
+    "qa": [[{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]],
+}
+EXPECTED["ultrachat"] = EXPECTED["sharegpt"]
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".json", ".parquet"])
+def test_common_chat_layouts_from_every_file_type(tmp_path, suffix, caplog):
+    rows = list(CHAT_LAYOUTS.values()) + [
+        {"conversations": [{"from": "gpt", "value": "I speak first"}]},
+        {"messages": [{"role": "wizard", "content": "?"}]},
+        {"text": "no chat layout"},
+    ]
+    path = tmp_path / f"mixed{suffix}"
+    if suffix == ".jsonl":
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    elif suffix == ".json":
+        path.write_text(json.dumps(rows))
+    else:
+        pd.DataFrame(rows).to_parquet(path)  # one column per field, null where a row lacks it
+    with pytest.raises(ValueError, match="row 5|line 6"):
+        load_conversations([str(path)], on_error="raise")
+    with caplog.at_level(logging.WARNING, logger="transformers_confu.data_sources"):
+        ds = load_conversations([str(path)])
+    assert "must start (after any system turn) with a user turn" in caplog.text
+    assert "unknown role 'wizard'" in caplog.text and "no chat layout recognised" in caplog.text
+    assert f"{path.name}: 5 conversations loaded, 3 malformed rows skipped" in caplog.text
+    assert ds["messages"] == [m for name in CHAT_LAYOUTS for m in EXPECTED[name]]
+    assert set(ds["source"]) == {path.name}
+
+
+def test_hub_ids_go_through_load_dataset(monkeypatch):
+    calls = []
+
+    def fake_load_dataset(path, split, **kwargs):
+        calls.append((path, split, kwargs))
+        return datasets.Dataset.from_list([CHAT_LAYOUTS["messages"]])
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
+    ds = load_conversations(["someone/chats", "someone/other:train_sft"])
+    assert calls == [("someone/chats", "train", {}), ("someone/other", "train_sft", {})]
+    assert ds["source"] == ["someone/chats", "someone/other:train_sft"]
+    assert ds["messages"] == EXPECTED["messages"] * 2
+
+
+def test_sources_from_folders_globs_and_files(data_dir):
+    everything = find_sources(data_dir=data_dir)
+    assert [Path(s).name for s in everything] == sorted(p.name for p in data_dir.iterdir())
+    assert find_sources([str(data_dir)]) == everything
+    assert find_sources([str(data_dir / "*.jsonl")]) == [s for s in everything if s.endswith(".jsonl")]
+    with pytest.raises(FileNotFoundError, match="No file matches"):
+        find_sources([str(data_dir / "*.csv")])
 
 
 def _dataset(convs):
@@ -256,7 +340,7 @@ def test_regenerate_refuses_other_settings_and_skips_torn_lines(tokenizer, tmp_p
 def test_real_training_files_load():
     if not REAL_DATA.exists():
         pytest.skip(f"{REAL_DATA} not found")
-    ds = load_conversations(REAL_DATA, on_error="raise")
+    ds = load_conversations(find_sources(data_dir=REAL_DATA), on_error="raise")
     counts = {}
     for source in ds["source"]:
         counts[source] = counts.get(source, 0) + 1

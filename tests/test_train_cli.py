@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 from conftest import chat_tokenizer, tiny_target
 
 from transformers_confu import ConFuAssistant
 from transformers_confu.hub import model_card
-from transformers_confu.train import main
+from transformers_confu.train import main, parse_args
 
 
 def saved_target_and_data(tmp_path, n_rows: int, extra: str = ""):
@@ -46,6 +47,8 @@ def test_train_in_two_pieces_then_load(tmp_path):
     card = model_card(tmp_path / "run" / "final", "tiny-llama")
     assert card.startswith("---\nlibrary_name: transformers-confu") and "- openai/gsm8k" in card
     assert "steps 12 of 12" in card and "confu-train --target" in card
+    values = [x for v in record["args"].values() for x in (v if isinstance(v, list) else [v])]
+    assert {v for v in values if isinstance(v, str) and "/" in v} <= set(argv)  # no path the package made up
 
 
 def test_confu_training_from_an_eagle3_draft_resumes_and_loads(tmp_path):
@@ -54,7 +57,7 @@ def test_confu_training_from_an_eagle3_draft_resumes_and_loads(tmp_path):
     from transformers_confu.contemplate import ADAPTER_FOLDER
 
     target, tokenizer, data = saved_target_and_data(tmp_path, 16)
-    common = ["--target", str(tmp_path / "target"), "--data-dir", str(data), "--max-length", "64",
+    common = ["--target", str(tmp_path / "target"), "--data", str(data / "gsm8k_train.jsonl"), "--max-length", "64",
               "--batch-size", "4", "--draft-vocab-size", "64", "--ttt-steps", "2", "--warmup-steps", "1"]
     main(common + ["--output-dir", str(tmp_path / "eagle3")])
     argv = common + ["--output-dir", str(tmp_path / "confu"), "--init-from", str(tmp_path / "eagle3" / "final"),
@@ -74,3 +77,9 @@ def test_confu_training_from_an_eagle3_draft_resumes_and_loads(tmp_path):
     ref = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=10, do_sample=False,
                           pad_token_id=0)
     assert torch.equal(target.generate(ids, max_new_tokens=10, do_sample=False, assistant_model=assistant), ref)
+
+
+def test_no_training_data_is_a_clear_error(capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["--output-dir", "run"])
+    assert "no training data given: pass training data: --data FILE_OR_HUB_ID" in capsys.readouterr().err

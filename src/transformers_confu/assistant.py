@@ -22,6 +22,7 @@ from transformers import GenerationConfig, PreTrainedModel
 
 from .configuration_confu import ConFuDraftConfig
 from .contemplate import ADAPTER_FOLDER, ContemplateAdapter
+from .eagle3_format import is_eagle3_config, load_eagle3, read_config, save_eagle3
 from .generation import SpeculativeStats, TreeBudget, speculative_generate
 from .modeling_confu import ConFuDraftModel
 from .tree import TreeDrafter
@@ -109,8 +110,14 @@ class ConFuAssistant:
         cls, path_or_id: str | os.PathLike, target_model: PreTrainedModel, **kwargs: Any
     ) -> "ConFuAssistant":
         """Load a draft (local folder or Hub id) for `target_model`, with its contemplate adapter if it is a
-        ConFu draft; `depth`/`top_k`/`total_tokens` go to the budget, `contemplate_nodes` as in the class."""
+        ConFu draft; `depth`/`top_k`/`total_tokens` go to the budget, `contemplate_nodes` as in the class.
+
+        Reference-format EAGLE-3 drafts (SafeAILab/EAGLE, SpecForge: a Llama config with `draft_vocab_size`,
+        weights `midlayer.*`, `fc`, `norm`, `lm_head`, `d2t`, `t2d`) load too (see `eagle3_format`)."""
         options = {k: kwargs.pop(k) for k in ("depth", "top_k", "total_tokens", "contemplate_nodes") if k in kwargs}
+        hub = {k: kwargs[k] for k in ("revision", "cache_dir", "token") if k in kwargs}
+        if is_eagle3_config(read_config(path_or_id, **hub) or {}):
+            return cls(load_eagle3(path_or_id, target_model, **hub), target_model, **options)
         draft = load_draft(path_or_id, **kwargs)
         adapter = load_adapter(path_or_id, **kwargs) if draft.config.contemplate else None
         return cls(draft, target_model, adapter, **options)
@@ -121,8 +128,17 @@ class ConFuAssistant:
         adapter = ContemplateAdapter.for_target(target_model) if config.contemplate else None
         return cls(ConFuDraftModel(config), target_model, adapter, **options)
 
-    def save_pretrained(self, path: str | os.PathLike, **kwargs: Any) -> None:
-        """Save the draft (config + safetensors) and a ConFu draft's adapter, loadable with `from_pretrained`."""
+    def save_pretrained(self, path: str | os.PathLike, format: str = "confu", **kwargs: Any) -> None:
+        """Save the draft (config + safetensors) and a ConFu draft's adapter, loadable with `from_pretrained`.
+
+        `format="eagle3"` writes an EAGLE-3 draft in the reference format instead (for SGLang, vLLM, SpecForge)."""
+        if format == "eagle3":
+            if kwargs:
+                raise TypeError(f"format='eagle3' takes no other options, got {sorted(kwargs)}.")
+            save_eagle3(self.draft, path)
+            return
+        if format != "confu":
+            raise ValueError(f"format={format!r}: use 'confu' (this package's format) or 'eagle3' (the reference one).")
         self.draft.save_pretrained(path, **kwargs)
         if self.adapter is not None:
             self.adapter.save_to(path)

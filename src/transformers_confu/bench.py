@@ -22,7 +22,12 @@ import torch
 from tqdm.auto import tqdm
 
 from .assistant import ConFuAssistant
-from .questions import DEFAULT_QUESTIONS, chat_input_ids, load_questions
+from .questions import (
+    DEFAULT_QUESTIONS,
+    PACKAGED_QUESTIONS,
+    chat_input_ids,
+    load_questions,
+)
 from .target import DEFAULT_DRAFT, DEFAULT_TARGET, load_target
 
 
@@ -246,7 +251,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default=DEFAULT_TARGET, help="the embedded default target, a folder or a Hub id")
     p.add_argument("--drafts", nargs="*", default=[str(DEFAULT_DRAFT)], help="draft folders or Hub ids")
-    p.add_argument("--questions", default=str(DEFAULT_QUESTIONS), help="Spec-Bench style question .jsonl")
+    p.add_argument("--questions", default=None,
+                   help="Spec-Bench / MT-bench style question .jsonl (default: the packaged Spec-Bench dev half)")
     p.add_argument("--limit", type=int, default=None, help="at most this many questions")
     p.add_argument("--per-category", type=int, default=None, help="at most this many questions per category")
     p.add_argument("--max-new-tokens", type=int, default=128)
@@ -277,13 +283,13 @@ def main(argv=None) -> dict:
     greedy = args.temperature == 0
     sampling = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=args.temperature)
     trees = _budgets(args.trees)
-    questions = load_questions(args.questions, args.limit, args.per_category)
+    questions = load_questions(args.questions or DEFAULT_QUESTIONS, args.limit, args.per_category)
     calibration = {}
     if args.auto_tree:
         for path in args.drafts:
             best, speeds = auto_tree(model, tokenizer, path, questions[: args.auto_questions],
                                      _budgets(args.auto_candidates), args.max_new_tokens, sampling)
-            calibration[path] = dict(chosen=best, tokens_per_s=speeds)
+            calibration[Path(path).name] = dict(chosen=best, tokens_per_s=speeds)
             trees = trees + [best] if best not in trees else trees
     nodes = [None if x.strip() == "all" else int(x) for x in args.contemplate_nodes.split(",")]
     assistant_model = None
@@ -296,7 +302,7 @@ def main(argv=None) -> dict:
     table = summarize(records, greedy, mismatches)
     meta = dict(target=args.target, hardware=f"{platform.machine()} CPU, {torch.get_num_threads()} threads"
                 if not torch.cuda.is_available() else torch.cuda.get_device_name(), questions=len(questions),
-                question_file=args.questions, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                question_file=args.questions or PACKAGED_QUESTIONS, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                 seed=args.seed, command="confu-bench " + " ".join(argv if argv is not None else sys.argv[1:]))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -308,8 +314,8 @@ def main(argv=None) -> dict:
     summary = dict(meta=meta, table=table, mismatches=mismatches, auto_tree=calibration)
     out.with_suffix(".json").write_text(json.dumps(summary, indent=2))
     text = markdown(table, meta)
-    for path, cal in calibration.items():
-        text += (f"\n## --auto-tree calibration for {Path(path).name}\n\nchosen d{cal['chosen'][0]}k{cal['chosen'][1]}"
+    for name, cal in calibration.items():
+        text += (f"\n## --auto-tree calibration for {name}\n\nchosen d{cal['chosen'][0]}k{cal['chosen'][1]}"
                  f"n{cal['chosen'][2]}; tokens/s per candidate: " +
                  ", ".join(f"{k} {v:.2f}" for k, v in cal["tokens_per_s"].items()) + "\n")
     if mismatches:

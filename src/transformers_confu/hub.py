@@ -34,7 +34,7 @@ def model_card(draft_dir: str | Path, base_model: str, bench: dict | None = None
     record = json.loads(record_path.read_text()) if record_path.is_file() else {}
     args = record.get("args", {})
     mode = "ConFu" if config.get("contemplate") else "EAGLE-3"
-    files = args.get("files") or list(_DATASETS)
+    files = [Path(source).name for source in args.get("data") or []] + list(args.get("files") or []) or list(_DATASETS)
     header = ["---", "library_name: transformers-confu", f"base_model: {base_model}", "license: apache-2.0",
               "tags:", "- speculative-decoding", f"- {mode.lower()}", "datasets:"]
     header += [f"- {d}" for d in sorted({_DATASETS[f] for f in files if f in _DATASETS})] + ["---", ""]

@@ -7,7 +7,9 @@ from pathlib import Path
 
 import torch
 
-DEFAULT_QUESTIONS = Path(__file__).resolve().parents[3] / "shared" / "data" / "eval" / "specbench_dev.jsonl"
+# Spec-Bench's dev half, shipped with the package (source and license: benchmarks/NOTICE).
+DEFAULT_QUESTIONS = Path(__file__).resolve().parent / "benchmarks" / "specbench_dev.jsonl"
+PACKAGED_QUESTIONS = "transformers_confu/benchmarks/specbench_dev.jsonl"  # how records name it (no machine path)
 
 
 def load_questions(path: str | Path = DEFAULT_QUESTIONS, limit: int | None = None,

@@ -24,13 +24,12 @@ from transformers.trainer_utils import get_last_checkpoint
 from .configuration_confu import ConFuDraftConfig
 from .contemplate import ADAPTER_FOLDER, ContemplateAdapter
 from .data import (
-    DEFAULT_DATA_DIR,
     DataCollatorForDraft,
     build_draft_vocab,
-    load_conversations,
     tokenize_conversations,
     vocab_coverage,
 )
+from .data_sources import HOW_TO_PASS, find_sources, load_conversations
 from .feature_cache import build_feature_cache
 from .modeling_confu import ConFuDraftModel
 from .regenerate import regenerate_responses
@@ -45,8 +44,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default=DEFAULT_TARGET, help="target: the embedded default, a folder or a Hub id")
     p.add_argument("--output-dir", required=True, help="checkpoints go here; rerun to resume")
-    p.add_argument("--data-dir", default=str(DEFAULT_DATA_DIR))
-    p.add_argument("--files", nargs="*", default=None, help="data files to use (default: all known)")
+    p.add_argument("--data", nargs="+", default=None,
+                   help=".jsonl/.json/.parquet files, folders of them, or Hub data set ids (org/name[:split]); chat "
+                        "layouts: messages, ShareGPT conversations, instruction/input/output, question/answer")
+    p.add_argument("--data-dir", default=None, help="a folder of data files (all of them, or --files among them)")
+    p.add_argument("--files", nargs="*", default=None, help="file names inside --data-dir to use")
     p.add_argument("--on-error", choices=["skip", "raise"], default="skip", help="malformed data rows")
     p.add_argument("--max-length", type=int, default=512)
     p.add_argument("--max-samples", type=int, default=None, help="use the first N shuffled conversations")
@@ -88,11 +90,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--save-dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tree", default="4,2,6", help="default tree of the saved draft: depth,top_k,total_tokens")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if not (args.data or args.data_dir):
+        p.error(f"no training data given: {HOW_TO_PASS}")
+    return args
 
 
 def build_dataset(args: argparse.Namespace, target, tokenizer):
-    conversations = load_conversations(args.data_dir, files=args.files, on_error=args.on_error)
+    conversations = load_conversations(find_sources(args.data, args.data_dir, args.files), on_error=args.on_error)
     conversations = conversations.shuffle(seed=args.seed)
     if args.max_samples:
         conversations = conversations.select(range(min(args.max_samples, len(conversations))))
