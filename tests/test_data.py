@@ -299,6 +299,9 @@ def test_regenerate_responses_resumes_and_matches_one_run(tokenizer, tmp_path):
     ds = _dataset(REGEN_CONVS)
     first = regenerate_responses(ds, model, tokenizer, tmp_path / "a", batch_size=2, max_new_tokens=3, max_minutes=0)
     assert len(first) == 0 and calls == []  # time box of 0: nothing answered, nothing lost
+    kept = regenerate_responses(ds, model, tokenizer, tmp_path / "a", max_new_tokens=3, max_minutes=0,
+                                keep_unanswered=True)
+    assert [row["messages"] for row in kept] == [c for c in REGEN_CONVS if c[-1]["role"] == "assistant"]
     first = regenerate_responses(ds.select(range(3)), model, tokenizer, tmp_path / "a", batch_size=2, max_new_tokens=3)
     assert len(first) == 3 and sum(calls) == 3
     calls.clear()

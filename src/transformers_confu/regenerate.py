@@ -140,12 +140,14 @@ def regenerate_responses(
     max_prompt_tokens: int = 384,
     max_minutes: float | None = None,
     seed: int = 0,
+    keep_unanswered: bool = False,
 ) -> datasets.Dataset:
     """Answer each conversation's prompt (its turns before the last assistant turn) with `model`.
 
     Returns the conversations answered so far (this run's and earlier runs' answers in `directory`), each
     ending with the model's answer; rows not answered yet (time box reached) and prompts longer than
-    `max_prompt_tokens` are left out (logged). Rerun with the same arguments to go on."""
+    `max_prompt_tokens` are left out (logged), or with `keep_unanswered` kept as they are when they end with
+    an assistant turn (a reference answer). Rerun with the same arguments to go on."""
     directory = Path(directory)
     settings = RegenerationSettings(target_fingerprint(model), max_new_tokens, temperature, top_p, seed)
     _check_settings(directory, settings)
@@ -191,11 +193,15 @@ def regenerate_responses(
             write_json_atomic(stats_path, stats)
             bar.update(len(batch))
             bar.set_postfix(tok_s=f"{sum(lengths) / (time.monotonic() - t0):.0f}")
-    rows = []
+    rows, regenerated = [], 0
     for row, prompt, key in zip(dataset, prompts, keys):
         record = done.get(key)
         if record is not None and record["response"]:
             rows.append({**row, "messages": prompt + [{"role": "assistant", "content": record["response"]}]})
-    logger.info("%d of %d conversations have a regenerated answer (%.0f generated tokens/s over all runs)",
-                len(rows), len(dataset), stats.get("tokens_per_second", 0.0))
+            regenerated += 1
+        elif keep_unanswered and row["messages"][-1]["role"] == "assistant":
+            rows.append(row)
+    logger.info("%d of %d conversations have a regenerated answer (%.0f generated tokens/s over all runs); "
+                "%d kept with their reference answer", regenerated, len(dataset),
+                stats.get("tokens_per_second", 0.0), len(rows) - regenerated)
     return datasets.Dataset.from_dict({c: [r[c] for r in rows] for c in dataset.column_names}, features=dataset.features)

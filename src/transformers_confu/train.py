@@ -58,6 +58,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--regenerate-minutes", type=float, default=None,
                    help="time box of the regeneration; train on what is answered by then (rerun to answer more)")
     p.add_argument("--regenerate-only", action="store_true", help="stop after the regeneration")
+    p.add_argument("--keep-reference", action="store_true",
+                   help="with --regenerate: rows not regenerated yet keep their reference answer (else they are left out)")
     p.add_argument("--regenerate-batch-size", type=int, default=64)
     p.add_argument("--regenerate-max-new-tokens", type=int, default=256)
     p.add_argument("--regenerate-temperature", type=float, default=0.0, help="0: greedy answers")
@@ -106,7 +108,7 @@ def build_dataset(args: argparse.Namespace, target, tokenizer):
             conversations, target, tokenizer, args.regenerate_dir or Path(args.output_dir) / "regenerated",
             batch_size=args.regenerate_batch_size, max_new_tokens=args.regenerate_max_new_tokens,
             temperature=args.regenerate_temperature, max_prompt_tokens=args.max_length - 64,
-            max_minutes=args.regenerate_minutes, seed=args.seed,
+            max_minutes=args.regenerate_minutes, seed=args.seed, keep_unanswered=args.keep_reference,
         )
     return tokenize_conversations(conversations, tokenizer, max_length=args.max_length)
 
