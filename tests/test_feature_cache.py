@@ -115,7 +115,9 @@ def test_init_from_target_copies_head_rows_norm_and_layer():
     target = tiny_target()
     draft = tiny_draft(target)
     before = draft.self_attn.q_proj.weight.detach().clone()
-    draft.init_from_target(target, ("head", "norm", "layer"))
+    draft.init_from_target(target, ("head", "norm", "fc", "layer"))
+    features = torch.randn(2, 3 * target.config.hidden_size)
+    torch.testing.assert_close(draft.fc(features), features[:, -target.config.hidden_size:])
     torch.testing.assert_close(draft.lm_head.weight, target.lm_head.weight[draft.d2t])
     torch.testing.assert_close(draft.norm.weight, target.model.norm.weight)
     last = target.model.layers[-1]

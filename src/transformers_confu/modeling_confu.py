@@ -115,12 +115,13 @@ class ConFuDraftModel(PreTrainedModel):
         """Copy what fits from the target before training (after `set_vocab_map`).
 
         `head`: the LM head rows of the draft vocabulary from the target's output embedding (the draft then
-        starts in the target's output space); `norm`: the final norm from the target's; `layer`: the MLP,
+        starts in the target's output space); `norm`: the final norm from the target's; `fc`: the feature
+        projection passes the highest feature layer through unchanged (and drops the others); `layer`: the MLP,
         post-attention norm, output projection and the feature half of the q/k/v projections from the
         target's last decoder layer (the embedding half keeps its random init)."""
-        unknown = set(parts) - {"head", "norm", "layer"}
+        unknown = set(parts) - {"head", "norm", "fc", "layer"}
         if unknown:
-            raise ValueError(f"Unknown init part(s) {sorted(unknown)}: choose among head, norm, layer.")
+            raise ValueError(f"Unknown init part(s) {sorted(unknown)}: choose among head, norm, fc, layer.")
         self.config.check_target(target)
         with torch.no_grad():
             if "head" in parts:
@@ -130,6 +131,10 @@ class ConFuDraftModel(PreTrainedModel):
                 self.lm_head.weight.copy_(head.weight[self.d2t].to(self.lm_head.weight))
             if "norm" in parts:
                 self.norm.load_state_dict(target.base_model.norm.state_dict())
+            if "fc" in parts:
+                hidden = self.config.hidden_size
+                self.fc.weight.zero_()
+                self.fc.weight[:, -hidden:] = torch.eye(hidden)
             if "layer" in parts:
                 last = target.base_model.layers[-1]
                 self.mlp.load_state_dict(last.mlp.state_dict())
