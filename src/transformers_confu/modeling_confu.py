@@ -128,7 +128,7 @@ class ConFuDraftModel(PreTrainedModel):
                 head = target.get_output_embeddings()
                 if head.bias is not None or self.lm_head.bias is not None:
                     raise ValueError("init part 'head' needs bias-free output heads.")
-                self.lm_head.weight.copy_(head.weight[self.d2t].to(self.lm_head.weight))
+                self.lm_head.weight.copy_(head.weight[self.d2t.to(head.weight.device)].to(self.lm_head.weight))
             if "norm" in parts:
                 self.norm.load_state_dict(target.base_model.norm.state_dict())
             if "fc" in parts:

@@ -43,6 +43,10 @@ logger = logging.getLogger(__name__)
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default=DEFAULT_TARGET, help="target: the embedded default, a folder or a Hub id")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="where the target runs (regeneration, features) and the draft trains")
+    p.add_argument("--bf16", action="store_true",
+                   help="target in bfloat16 and bf16 mixed-precision draft training (CUDA)")
     p.add_argument("--output-dir", required=True, help="checkpoints go here; rerun to resume")
     p.add_argument("--data", nargs="+", default=None,
                    help=".jsonl/.json/.parquet files, folders of them, or Hub data set ids (org/name[:split]); chat "
@@ -148,7 +152,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     torch.manual_seed(args.seed)
-    target, tokenizer = load_target(args.target)
+    target, tokenizer = load_target(args.target, torch_dtype=torch.bfloat16 if args.bf16 else torch.float32,
+                                    device=args.device)
     dataset = build_dataset(args, target, tokenizer)
     if args.regenerate_only:
         return
@@ -173,7 +178,8 @@ def main(argv: list[str] | None = None) -> None:
         adam_beta1=0.9, adam_beta2=0.95, max_grad_norm=0.5, weight_decay=0.0, lr_scheduler_type="cosine",
         logging_steps=10, save_strategy="steps", save_steps=estimate_save_steps(args),
         save_total_limit=2, train_sampling_strategy="group_by_length", length_column_name="length", seed=args.seed,
-        dataloader_num_workers=0, dataloader_pin_memory=torch.cuda.is_available(), report_to=[], disable_tqdm=False,
+        use_cpu=args.device == "cpu", bf16=args.bf16,
+        dataloader_num_workers=0, dataloader_pin_memory=args.device != "cpu", report_to=[], disable_tqdm=False,
     )
     trainer = ConFuTrainer(
         model=draft, target_model=target, args=training_args, adapter=adapter, train_dataset=dataset,
