@@ -73,6 +73,15 @@ def read_responses(path: Path) -> dict[str, dict]:
     return records
 
 
+def _drop_torn_tail(path: Path) -> None:
+    """Cut a last line torn by a kill (no final newline), so that the next record starts on a line of its own."""
+    if path.exists():
+        data = path.read_bytes()
+        whole = data.rfind(b"\n") + 1
+        if whole < len(data):
+            os.truncate(path, whole)
+
+
 def _check_settings(directory: Path, settings: RegenerationSettings) -> None:
     path = directory / SETTINGS_FILE
     if path.exists():
