@@ -56,7 +56,10 @@ def prompt_key(prompt: Messages) -> str:
 def write_json_atomic(path: Path, obj: dict) -> None:
     """Write `obj` as JSON so that a kill leaves the old or the new file, never a torn one."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(obj, indent=2))
+    with tmp.open("w") as file:
+        file.write(json.dumps(obj, indent=2))
+        file.flush()
+        os.fsync(file.fileno())
     os.replace(tmp, path)
 
 
