@@ -163,6 +163,7 @@ def regenerate_responses(
     _check_settings(directory, settings)
     responses_path = directory / RESPONSES_FILE
     done = read_responses(responses_path)
+    _drop_torn_tail(responses_path)
     prompts = [prompt_messages(m) for m in dataset["messages"]]
     keys = [prompt_key(p) for p in prompts]
     first = {}
