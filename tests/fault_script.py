@@ -2,12 +2,14 @@
 
     python fault_script.py train <point> <confu-train arguments...>
     python fault_script.py regenerate <point> <target folder> <answers folder>
+    python fault_script.py target write <tiny target folder>     (the copy goes to $CONFU_CACHE)
 
 Training points: `step:K` (after step K), `save-weights:K` (checkpoint-K's model.safetensors half written),
 `save-rename:K` (checkpoint-K complete in its staging folder, not renamed yet), `final` (final/'s
 model.safetensors half written). Regeneration points: `batch:K` (before decoding batch K), `write:K`
-(this run's K-th record half written to disk, the ones before it flushed). Exits with 1 if the point is
-never reached.
+(this run's K-th record half written to disk, the ones before it flushed). Target point: `write` (the
+de-quantized copy's model.safetensors half written; the tiny target stands in for the GGUF). Exits with 1
+if the point is never reached.
 """
 
 from __future__ import annotations
@@ -138,10 +140,29 @@ def regenerate(point: str, target: str, directory: str) -> None:
     module.regenerate_responses(regeneration_dataset(), model, tokenizer, directory, **REGENERATION)
 
 
+def dequantized_copy(point: str, tiny_target: str) -> None:
+    from transformers_confu import target as module
+
+    atomic_dir = module.atomic_dir
+
+    @contextmanager
+    def atomic_dir_or_die(path):
+        with atomic_dir(path) as folder:
+            yield folder
+            cut_in_half(folder / "model.safetensors")
+            die()
+
+    module._dequantize_gguf = lambda: module.load_target(tiny_target)[::-1]
+    module.atomic_dir = atomic_dir_or_die
+    module.load_target()
+
+
 if __name__ == "__main__":
     job, point, *rest = sys.argv[1:]
     if job == "train":
         train(point, rest)
-    else:
+    elif job == "regenerate":
         regenerate(point, *rest)
+    else:
+        dequantized_copy(point, *rest)
     sys.exit(f"{job} finished without reaching the fault point {point}")

@@ -1,6 +1,7 @@
-"""Long jobs survive faults. Training and regeneration on tiny models are killed (SIGKILL, in a subprocess:
-`fault_script.py`) at chosen points, inside saves included, or find their newest checkpoint torn the ways a
-crash or a full disk leaves it; each rerun finishes with the result of an uninterrupted run."""
+"""Long jobs survive faults. Training, regeneration and the de-quantized target copy, on tiny models, are
+killed (SIGKILL, in a subprocess: `fault_script.py`) at chosen points, inside saves included, or find their
+newest checkpoint torn the ways a crash or a full disk leaves it; each rerun finishes with the result of an
+uninterrupted run."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from safetensors.torch import load_file
 from test_train_cli import saved_target_and_data
 
 from transformers_confu import ConFuAssistant
+from transformers_confu.atomic import staging_path
 from transformers_confu.checkpoints import (
     checkpoint_problem,
     latest_complete_checkpoint,
@@ -37,8 +39,8 @@ SCRIPT = Path(__file__).with_name("fault_script.py")
 STEPS = 30  # 2 epochs of 15 rows in batches of 2; checkpoints every 10 steps, the last two kept
 
 
-def run_until_killed(*args: str | Path) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+def run_until_killed(*args: str | Path, **env: str) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", **env}
     result = subprocess.run([sys.executable, str(SCRIPT), *map(str, args)], env=env, capture_output=True,
                             text=True, timeout=300)
     assert result.returncode == -signal.SIGKILL, result.stderr[-3000:]
@@ -184,3 +186,26 @@ def test_killed_regeneration_gives_the_records_of_one_run(tmp_path):
         json.loads(line)  # the torn line was cut before appending
     responses = {k: r["response"] for k, r in read_responses(answers).items()}
     assert responses == {k: r["response"] for k, r in read_responses(tmp_path / "reference" / RESPONSES_FILE).items()}
+
+
+def test_killed_while_writing_the_dequantized_target_copy(tmp_path, monkeypatch):
+    from conftest import tiny_target, tiny_tokenizer
+
+    from transformers_confu import target as target_module
+
+    tiny = tmp_path / "tiny"
+    tiny_target().save_pretrained(tiny)
+    tiny_tokenizer().save_pretrained(tiny)
+    run_until_killed("target", "write", tiny, CONFU_CACHE=str(tmp_path / "cache"))
+    monkeypatch.setenv("CONFU_CACHE", str(tmp_path / "cache"))
+    copy = target_module._dequantized_copy()
+    assert not copy.exists() and staging_path(copy).is_dir()  # only the half-written staging folder
+    built = []
+    monkeypatch.setattr(target_module, "_dequantize_gguf", lambda: built.append(1) or load_target(str(tiny))[::-1])
+    target_module.load_target()
+    model, _ = target_module.load_target()  # from the copy
+    assert built == [1]
+    assert sorted(p.name for p in copy.parent.iterdir()) == [copy.name, f"{copy.name}.lock"]
+    reference, _ = load_target(str(tiny))
+    for name, value in reference.state_dict().items():
+        assert torch.equal(model.state_dict()[name], value)
