@@ -58,7 +58,8 @@ def draft_problem(folder: str | os.PathLike) -> str | None:
     draft (`contemplate` in its config), `contemplate_adapter/`."""
     problem = folder_problem(folder, DRAFT_FILES)
     if problem is None and json.loads((Path(folder) / CONFIG_NAME).read_text()).get("contemplate"):
-        problem = folder_problem(folder, ADAPTER_FILES)
+        adapter = folder_problem(folder, ADAPTER_FILES)
+        problem = adapter and f"{adapter} (the contemplate adapter)"
     return problem
 
 
