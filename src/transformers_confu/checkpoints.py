@@ -85,7 +85,7 @@ def latest_complete_checkpoint(output_dir: str | os.PathLike) -> str | None:
         if problem is None:
             return str(folder)
         logger.warning("Skipping checkpoint %s: %s (cut by a kill or a full disk while saving?); "
-                       "trying the one before it.", folder, problem)
+                       "resuming from an earlier one if there is one.", folder, problem)
     return None
 
 

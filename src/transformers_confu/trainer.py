@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import shutil
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -258,7 +257,7 @@ class ConFuTrainer(Trainer):
                 self.state.best_model_checkpoint = final
                 self.state.save_to_json(os.path.join(staged, TRAINER_STATE_NAME))
             publish_dir(staged, final)
-            Path(staging).rmdir()
+            os.rmdir(staging)
             rotate_checkpoints(run_dir, self.args.save_total_limit, self.state.best_model_checkpoint, use_mtime=True)
         self.accelerator.wait_for_everyone()
 
