@@ -198,7 +198,17 @@ def test_unknown_generate_argument_raises():
 def test_generate_of_unprepared_model_explains_the_fix():
     target, other = tiny_target(), tiny_target()
     assistant = make_assistant(target)
-    with pytest.raises(AttributeError, match="BEFORE"):
+    with pytest.raises(AttributeError, match=rf"drafts for the LlamaForCausalLM at {id(target):#x}.*Build one for "
+                                             r"the model you call.*target_model=model.*BEFORE"):
+        other.generate(torch.ones(1, 4, dtype=torch.long), max_new_tokens=3, assistant_model=assistant)
+
+
+def test_assistant_passed_to_another_prepared_model_names_both():
+    target, other = tiny_target(), tiny_target()
+    assistant = make_assistant(target)
+    make_assistant(other)  # prepares other.generate
+    with pytest.raises(ValueError, match=rf"drafts for the LlamaForCausalLM at {id(target):#x}, not for the model "
+                                         rf"whose generate\(\) was called \(the LlamaForCausalLM at {id(other):#x}\)"):
         other.generate(torch.ones(1, 4, dtype=torch.long), max_new_tokens=3, assistant_model=assistant)
 
 

@@ -96,6 +96,43 @@ def test_truncated_checkpoint_raises_a_clear_error(saved):
         ConFuAssistant.from_pretrained(tmp_path / "draft", target_model=tiny_target())
 
 
+def test_truncated_checkpoint_error_names_the_torn_file(saved):
+    tmp_path, _ = saved
+    weights = tmp_path / "draft" / "model.safetensors"
+    os.truncate(weights, weights.stat().st_size - 100)
+    with pytest.raises(OSError, match=r"'.*draft' is corrupt or incomplete: model.safetensors is cut short \(\d+ of"):
+        ConFuAssistant.from_pretrained(tmp_path / "draft", target_model=tiny_target())
+
+
+def test_confu_folder_without_its_adapter_raises(tmp_path):
+    target = tiny_target()
+    config = ConFuDraftConfig.for_target(target, draft_vocab_size=64, contemplate=True)
+    ConFuAssistant.from_config(config, target).save_pretrained(tmp_path / "draft")
+    (tmp_path / "draft" / "contemplate_adapter" / "model.safetensors").unlink()
+    with pytest.raises(OSError, match="corrupt or incomplete: contemplate_adapter/model.safetensors is missing"):
+        ConFuAssistant.from_pretrained(tmp_path / "draft", target_model=target)
+
+
+@pytest.mark.parametrize("typo", ["runs/my-draf/final", "./my-draft", "/tmp/no/such/draft"])
+def test_typo_in_a_local_path_says_it_is_neither_folder_nor_hub_id(typo):
+    with pytest.raises(FileNotFoundError, match="no draft folder .*not a Hub id .* check the path") as info:
+        ConFuAssistant.from_pretrained(typo, target_model=tiny_target())
+    assert "Repo id must" not in str(info.value)
+
+
+def test_hub_shaped_name_that_is_not_a_folder_says_both(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(OSError, match=r"'someone/draft': it is not a local folder \(no .*someone/draft\), and as a Hub id"):
+        ConFuAssistant.from_pretrained("someone/draft", target_model=tiny_target(), local_files_only=True,
+                                       cache_dir=str(tmp_path / "hub"))
+
+
+def test_file_instead_of_folder_raises(saved):
+    tmp_path, _ = saved
+    with pytest.raises(OSError, match="is a file: pass the draft's folder"):
+        ConFuAssistant.from_pretrained(tmp_path / "draft" / "model.safetensors", target_model=tiny_target())
+
+
 def test_checkpoint_missing_weights_raises(saved):
     from safetensors.torch import load_file, save_file
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
@@ -129,6 +130,36 @@ def test_max_minutes_saves_stops_and_resumes_exactly(saved_run, tmp_path):
     assert_same_weights(final, draft_weights(resumed))
 
 
+def test_checkpoints_are_renamed_into_place_complete(saved_run):
+    from transformers_confu.checkpoints import checkpoint_problem
+
+    output_dir, _ = saved_run
+    assert sorted(p.name for p in output_dir.iterdir()) == ["checkpoint-2", "checkpoint-4"]  # no staging left
+    assert checkpoint_problem(output_dir / "checkpoint-2") is None
+
+
+def test_resume_from_a_torn_checkpoint_raises_a_clear_error(saved_run, tmp_path):
+    output_dir, _ = saved_run
+    shutil.copytree(output_dir / "checkpoint-2", tmp_path / "checkpoint-2")
+    (tmp_path / "checkpoint-2" / "optimizer.pt").write_bytes(b"")
+    with pytest.raises(ValueError, match="Cannot resume from .*checkpoint-2: optimizer.pt is empty.*=True"):
+        make_trainer(tmp_path / "run").train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
+
+
+def test_best_checkpoint_is_tracked_under_its_final_name(tmp_path):
+    args = dict(output_dir=str(tmp_path), max_steps=RESUME_STEPS, per_device_train_batch_size=2, learning_rate=3e-3,
+                save_strategy="steps", save_steps=2, eval_strategy="steps", eval_steps=2, report_to="none",
+                metric_for_best_model="loss", load_best_model_at_end=True, use_cpu=True, ttt_steps=3)
+    target = tiny_target()
+    trainer = ConFuTrainer(model=tiny_draft(target), target_model=target, args=ConFuTrainingArguments(**args),
+                           train_dataset=tiny_dataset(), eval_dataset=tiny_dataset(), data_collator=default_data_collator)
+    trainer.train()
+    best = Path(trainer.state.best_model_checkpoint)
+    assert best.parent == tmp_path and best.is_dir()
+    saved = json.loads((best / "trainer_state.json").read_text())["best_model_checkpoint"]
+    assert saved == str(best)
+
+
 def test_resume_with_another_target_raises(saved_run, tmp_path):
     output_dir, _ = saved_run
     trainer = make_trainer(tmp_path, family="qwen2")
@@ -152,6 +183,8 @@ def free_port() -> int:
                     reason="accelerate launcher not installed")
 def test_two_process_ddp_training(tmp_path):
     """2 CPU processes (gloo): training finishes, saves, and both ranks end with the same weights."""
+    from transformers_confu.checkpoints import checkpoint_problem
+
     accelerate = os.path.join(os.path.dirname(sys.executable), "accelerate")
     script = Path(__file__).with_name("ddp_train_script.py")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -163,6 +196,7 @@ def test_two_process_ddp_training(tmp_path):
     ]
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=180)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert (tmp_path / "checkpoint-3" / "model.safetensors").is_file()
+    assert {p.name for p in (tmp_path / "checkpoint-3").glob("rng_state*")} == {"rng_state_0.pth", "rng_state_1.pth"}
+    assert checkpoint_problem(tmp_path / "checkpoint-3") is None  # both ranks wrote, then it was renamed
     assert (tmp_path / "weights_in_sync").read_text() == "world_size=2 in_sync=True"
     ConFuDraftModel.from_pretrained(tmp_path / "checkpoint-3")

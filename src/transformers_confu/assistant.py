@@ -17,9 +17,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from huggingface_hub.utils import HFValidationError, validate_repo_id
 from safetensors import SafetensorError
 from transformers import GenerationConfig, PreTrainedModel
 
+from .checkpoints import draft_problem
 from .configuration_confu import ConFuDraftConfig
 from .contemplate import ADAPTER_FOLDER, ContemplateAdapter
 from .eagle3_format import is_eagle3_config, load_eagle3, read_config, save_eagle3
@@ -98,11 +100,12 @@ class ConFuAssistant:
 
     def __getattr__(self, name: str) -> Any:
         # Only reached when transformers' own generate() inspects us: the model was not prepared.
+        target = self.__dict__.get("target")
         raise AttributeError(
-            f"'ConFuAssistant' has no attribute {name!r}. If this came from `model.generate(...)`, that model's "
-            "generate() was not prepared for this assistant: create the assistant with "
-            "`ConFuAssistant.from_pretrained(..., target_model=model)` BEFORE evaluating `model.generate(...)`, "
-            "for the same model object."
+            f"'ConFuAssistant' has no attribute {name!r}. If this came from `model.generate(..., assistant_model=)`: "
+            f"this assistant drafts for {_describe(target)}, and the model you called is not prepared for it. "
+            "Build one for the model you call, `ConFuAssistant.from_pretrained(draft, target_model=model)`, "
+            "and create it BEFORE evaluating `model.generate` (creating it prepares the model's generate())."
         )
 
     @classmethod
@@ -162,7 +165,11 @@ class ConFuAssistant:
     def generate(self, target: PreTrainedModel, input_ids: torch.LongTensor | None = None, **kwargs: Any):
         """Run tree speculative decoding; called through `target.generate(assistant_model=self)`."""
         if target is not self.target:
-            raise ValueError("This assistant is attached to another model: build one for this target.")
+            raise ValueError(
+                f"This assistant drafts for {_describe(self.target)}, not for the model whose generate() was "
+                f"called ({_describe(target)}): build one for that model with "
+                "`ConFuAssistant.from_pretrained(draft, target_model=model)`."
+            )
         input_ids = kwargs.pop("inputs", input_ids)
         if input_ids is None or input_ids.ndim != 2:
             raise ValueError("Pass `input_ids` of shape (1, prompt_length).")
@@ -198,10 +205,18 @@ class ConFuAssistant:
 
 def load_draft(path_or_id: str | os.PathLike, **kwargs: Any) -> ConFuDraftModel:
     """`ConFuDraftModel.from_pretrained` (folder or Hub id; `revision`, `cache_dir`, `token`, ...) that
-    refuses corrupt, truncated or incomplete checkpoints instead of filling missing weights at random."""
+    refuses corrupt, truncated or incomplete checkpoints instead of filling missing weights at random, and
+    says so when `path_or_id` is neither a folder nor a Hub id."""
+    _check_draft_source(path_or_id)
     try:
         draft, info = ConFuDraftModel.from_pretrained(path_or_id, output_loading_info=True, **kwargs)
     except (OSError, ValueError, RuntimeError, SafetensorError) as err:
+        if not Path(path_or_id).is_dir():
+            raise OSError(
+                f"Could not load a ConFu draft from {str(path_or_id)!r}: it is not a local folder (no "
+                f"{Path(path_or_id).resolve()}), and as a Hub id: {err} Check the path, or the Hub id and your "
+                "connection."
+            ) from err
         raise OSError(
             f"Could not load a ConFu draft from {str(path_or_id)!r}: {err}. The checkpoint may be corrupt or "
             "incomplete: download or save it again (it needs config.json and model.safetensors)."
@@ -213,6 +228,28 @@ def load_draft(path_or_id: str | os.PathLike, **kwargs: Any) -> ConFuDraftModel:
             f"{' ...' if len(missing) > 5 else ''}: it is incomplete or was saved by another model."
         )
     return draft
+
+
+def _check_draft_source(path_or_id: str | os.PathLike) -> None:
+    """Raise a clear error for a file, an incomplete draft folder, or a name that is neither a folder nor a
+    Hub id (a typo'd path)."""
+    folder = Path(path_or_id)
+    if folder.is_file():
+        raise OSError(f"{str(path_or_id)!r} is a file: pass the draft's folder (the one holding config.json "
+                      "and model.safetensors), or a Hub id.")
+    if folder.is_dir():
+        problem = draft_problem(folder)
+        if problem is not None:
+            raise OSError(f"The draft checkpoint {str(path_or_id)!r} is corrupt or incomplete: {problem}. Save "
+                          "or download it again (for confu-train's final/, rerun the training command).")
+        return
+    try:
+        validate_repo_id(str(path_or_id))
+    except HFValidationError:
+        raise FileNotFoundError(
+            f"There is no draft folder {str(path_or_id)!r} (looked in {folder.resolve()}), and it is not a Hub id "
+            "('name' or 'namespace/name') either: check the path."
+        ) from None
 
 
 def load_adapter(path_or_id: str | os.PathLike, revision: str | None = None, cache_dir: str | None = None,
@@ -231,6 +268,12 @@ def load_adapter(path_or_id: str | os.PathLike, revision: str | None = None, cac
             f"Could not load the contemplate adapter of the ConFu draft {str(path_or_id)!r} from "
             f"{ADAPTER_FOLDER}/ ({err}): the checkpoint is incomplete or corrupt; save or download it again."
         ) from err
+
+
+def _describe(model: PreTrainedModel | None) -> str:
+    """`the LlamaForCausalLM loaded from 'path'` (or `at 0x...`), to name a model in error messages."""
+    name = getattr(getattr(model, "config", None), "name_or_path", "")
+    return f"the {type(model).__name__}" + (f" loaded from {name!r}" if name else f" at {id(model):#x}")
 
 
 def _wrap_generate(model: PreTrainedModel) -> None:

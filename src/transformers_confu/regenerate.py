@@ -56,7 +56,10 @@ def prompt_key(prompt: Messages) -> str:
 def write_json_atomic(path: Path, obj: dict) -> None:
     """Write `obj` as JSON so that a kill leaves the old or the new file, never a torn one."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(obj, indent=2))
+    with tmp.open("w") as file:
+        file.write(json.dumps(obj, indent=2))
+        file.flush()
+        os.fsync(file.fileno())
     os.replace(tmp, path)
 
 
@@ -71,6 +74,15 @@ def read_responses(path: Path) -> dict[str, dict]:
             except (json.JSONDecodeError, KeyError, TypeError):
                 logger.warning("ignoring unreadable line %d of %s (a write cut by a kill?)", lineno, path)
     return records
+
+
+def _drop_torn_tail(path: Path) -> None:
+    """Cut a last line torn by a kill (no final newline), so that the next record starts on a line of its own."""
+    if path.exists():
+        data = path.read_bytes()
+        whole = data.rfind(b"\n") + 1
+        if whole < len(data):
+            os.truncate(path, whole)
 
 
 def _check_settings(directory: Path, settings: RegenerationSettings) -> None:
@@ -153,6 +165,7 @@ def regenerate_responses(
     _check_settings(directory, settings)
     responses_path = directory / RESPONSES_FILE
     done = read_responses(responses_path)
+    _drop_torn_tail(responses_path)
     prompts = [prompt_messages(m) for m in dataset["messages"]]
     keys = [prompt_key(p) for p in prompts]
     first = {}

