@@ -17,6 +17,7 @@ from transformers import (
 )
 
 DEFAULT_TARGET = "smollm2-135m-instruct"
+DEFAULT_TARGET_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the model that the embedded GGUF quantizes
 CHECKPOINTS = Path(__file__).resolve().parent / "checkpoints"
 EAGLE3_DRAFT = CHECKPOINTS / "smollm2-135m-instruct-eagle3"
 CONFU_DRAFT = CHECKPOINTS / "smollm2-135m-instruct-confu"
@@ -61,6 +62,17 @@ def _load_default_target(torch_dtype: torch.dtype, **kwargs: Any):
     shutil.rmtree(copy, ignore_errors=True)
     partial.rename(copy)
     return tokenizer, model.to(torch_dtype)
+
+
+def hub_name(name_or_path: str) -> str:
+    """The name to record for a target that `load_target` loads: the default's Hub id, else `name_or_path`."""
+    return DEFAULT_TARGET_HUB_ID if name_or_path == DEFAULT_TARGET else name_or_path
+
+
+def tokenizer_path(name_or_path: str) -> str:
+    """Where `AutoTokenizer.from_pretrained` finds the tokenizer of a target that `load_target` has loaded
+    (the default target's is in its de-quantized copy)."""
+    return str(_dequantized_copy()) if name_or_path == DEFAULT_TARGET else name_or_path
 
 
 def load_target(
