@@ -67,7 +67,10 @@ def test_quality_check_uses_only_questions_with_a_gsm8k_reference():
     questions = [dict(question_id=1, reference=["#### 4"]), dict(question_id=2, reference=["#### 9"]),
                  dict(question_id=3, reference=["a summary"]), dict(question_id=4, reference=[["a", "list"]]),
                  dict(question_id=5)]
-    answer = lambda qid, text: dict(question_id=qid, choices=[dict(turns=[text])])  # noqa: E731
+
+    def answer(qid, text):
+        return dict(question_id=qid, choices=[dict(turns=[text])])
+
     records = {"generate": [answer(1, "4"), answer(2, "8"), answer(3, "x"), answer(4, "4"), answer(5, "1")],
                "eagle3": [answer(1, "4"), answer(2, "9"), answer(3, "x"), answer(4, "4"), answer(5, "1")]}
     quality = quality_check(records, questions)

@@ -24,13 +24,13 @@ import torch
 from tqdm.auto import tqdm
 
 from .assistant import ConFuAssistant
+from .quality import quality_check, quality_markdown
 from .questions import (
     DEFAULT_QUESTIONS,
     PACKAGED_QUESTIONS,
     chat_input_ids,
     load_questions,
 )
-from .quality import quality_check, quality_markdown
 from .target import DEFAULT_DRAFT, DEFAULT_TARGET, load_target
 
 

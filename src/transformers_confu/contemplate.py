@@ -83,7 +83,7 @@ class ContemplateAdapter(nn.Module, PyTorchModelHubMixin):
     @classmethod
     def for_target(cls, target: PreTrainedModel, init_text: str | None = None,
                    tokenizer_name_or_path: str | None = None, base_model_name_or_path: str | None = None,
-                   **kwargs: Any) -> "ContemplateAdapter":
+                   **kwargs: Any) -> ContemplateAdapter:
         """A fresh adapter for `target`, initialised by peft's `PromptEmbedding`.
 
         The soft prompt starts as the target's embeddings of `init_text`'s tokens (peft's `TEXT` init, the
@@ -158,7 +158,7 @@ class ContemplateAdapter(nn.Module, PyTorchModelHubMixin):
         self.peft_config.save_pretrained(str(save_directory))
 
     @classmethod
-    def _from_pretrained(cls, *, model_id: str, **kwargs: Any) -> "ContemplateAdapter":
+    def _from_pretrained(cls, *, model_id: str, **kwargs: Any) -> ContemplateAdapter:
         """The mixin's loading (strict: both parts must be in the file), then peft's `adapter_config.json` if the
         folder has one (folders saved before peft do not)."""
         adapter = super()._from_pretrained(model_id=model_id, **kwargs | {"strict": True})

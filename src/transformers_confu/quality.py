@@ -115,9 +115,9 @@ def quality_markdown(quality: dict) -> str:
     """The quality check as a markdown section (to follow the speed table)."""
     level = f"{100 * quality['confidence']:.0f}%"
     lines = ["", "## Task quality (lossless sampling check)", "",
-             f"GSM8K exact match of the final number on {quality['questions']} questions with a reference; "
-             f"{level} Wilson interval per method, {level} paired bootstrap interval of the difference to "
-             "`generate` (losslessness predicts an interval containing 0).", "",
+             (f"GSM8K exact match of the final number on {quality['questions']} questions with a reference; "
+              f"{level} Wilson interval per method, {level} paired bootstrap interval of the difference to "
+              "`generate` (losslessness predicts an interval containing 0)."), "",
              "| method | exact match | interval | difference to generate | interval |", "|---|---|---|---|---|"]
     for name, cell in quality["methods"].items():
         low, high = cell["ci"]
