@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 from conftest import tiny_target
+from safetensors.torch import load_file
 from test_sampling import exact_distribution, p_value, sampled_counts
 from transformers import DynamicCache
 
@@ -13,6 +16,7 @@ from transformers_confu.anchors import future_vectors, future_visibility, sample
 from transformers_confu.contemplate import ADAPTER_FOLDER, ContemplateAdapter
 from transformers_confu.generation import _Target
 from transformers_confu.modeling_confu import ConFuDraftModel
+from transformers_confu.target import CONFU_DRAFT
 from transformers_confu.tree import DraftTree, TreeDrafter
 from transformers_confu.ttt import target_features_and_logits, ttt_loss
 
@@ -238,3 +242,65 @@ def test_confu_round_trip_and_errors(tmp_path):
         ConFuAssistant.from_pretrained(tmp_path / "confu", target_model=target)
     with pytest.raises(ValueError, match="needs its ContemplateAdapter"):
         ConFuAssistant(assistant.draft, target)
+
+
+SHIPPED_ADAPTER = CONFU_DRAFT / ADAPTER_FOLDER
+
+
+@pytest.mark.parametrize("with_peft_config", [True, False], ids=["shipped", "pre-peft"])
+def test_shipped_adapter_loads_to_the_identical_weights(tmp_path, with_peft_config):
+    """The shipped adapter (soft prompt saved under the pre-peft key `soft_prompt`) loads into peft's
+    `PromptEmbedding` unchanged, with its peft config or (as saved before peft) without one."""
+    folder = SHIPPED_ADAPTER
+    if not with_peft_config:
+        folder = tmp_path / ADAPTER_FOLDER
+        folder.mkdir()
+        for name in ("config.json", "model.safetensors"):
+            shutil.copy(SHIPPED_ADAPTER / name, folder / name)
+    saved = load_file(folder / "model.safetensors")
+    adapter = ContemplateAdapter.from_pretrained(folder)
+    assert set(saved) == {"soft_prompt", "con_moe.experts", "con_moe.router.weight"}
+    assert torch.equal(adapter.prompt.embedding.weight, saved.pop("soft_prompt").float())
+    state = adapter.state_dict()
+    assert set(state) == {"prompt.embedding.weight", *saved}
+    assert all(torch.equal(state[key], value.float()) for key, value in saved.items())
+    peft_config = adapter.peft_config
+    assert (peft_config.num_virtual_tokens, peft_config.token_dim) == (16, 576)
+    assert peft_config.base_model_name_or_path == ("HuggingFaceTB/SmolLM2-135M-Instruct" if with_peft_config else None)
+
+
+def test_adapter_folder_is_a_peft_prompt_tuning_config_beside_the_moe(tmp_path):
+    """Text init through peft, saved once (prompt + MoE in model.safetensors) with peft's adapter_config.json,
+    which peft reads but `PeftModel` refuses to run (no prompt-tuning weights there)."""
+    from conftest import tiny_tokenizer
+    from peft import PeftConfig, PeftModel, PromptTuningConfig
+
+    target = tiny_target()
+    tiny_tokenizer().save_pretrained(tmp_path / "tokenizer")
+    text = "t5 t9 t2"
+    adapter = ContemplateAdapter.for_target(target, num_soft_tokens=7, init_text=text,
+                                            tokenizer_name_or_path=str(tmp_path / "tokenizer"),
+                                            base_model_name_or_path="someone/tiny-target")
+    words = target.get_input_embeddings().weight
+    torch.testing.assert_close(adapter.soft_prompt, words[[5, 9, 2, 5, 9, 2, 5]], rtol=0, atol=0)
+    assert dict(adapter.named_parameters())["prompt.embedding.weight"] is adapter.soft_prompt
+    adapter.save_to(tmp_path)
+    folder = tmp_path / ADAPTER_FOLDER
+    names = {p.name for p in folder.iterdir()}
+    assert {"adapter_config.json", "config.json", "model.safetensors"} <= names
+    assert not {"adapter_model.safetensors", "adapter_model.bin"} & names
+    assert set(load_file(folder / "model.safetensors")) == {"prompt.embedding.weight", "con_moe.experts",
+                                                             "con_moe.router.weight"}
+    config = PeftConfig.from_pretrained(folder)
+    assert isinstance(config, PromptTuningConfig) and config.base_model_name_or_path == "someone/tiny-target"
+    assert (config.num_virtual_tokens, config.token_dim, config.prompt_tuning_init) == (7, 32, "TEXT")
+    assert config.prompt_tuning_init_text == text and config.inference_mode
+    loaded = ContemplateAdapter.from_pretrained(folder)
+    assert all(torch.equal(v, loaded.state_dict()[k]) for k, v in adapter.state_dict().items())
+    assert loaded.peft_config.to_dict() == config.to_dict()
+    with pytest.raises(ValueError):  # it finds no adapter weights in the folder (and a path is no Hub id)
+        PeftModel.from_pretrained(target, str(folder))
+    peft_file = folder / "adapter_config.json"
+    peft_file.write_text(peft_file.read_text().replace('"num_virtual_tokens": 7', '"num_virtual_tokens": 6'))
+    with pytest.raises(ValueError, match="mixes two adapters"):
+        ContemplateAdapter.from_pretrained(folder)

@@ -5,6 +5,8 @@ the machine hit every method alike. Per method it writes Spec-Bench answer files
 it reports tau (tokens per target pass), tokens/s, speed-up over plain `generate` (total tokens over total
 time, as Spec-Bench computes it) and, at temperature 0, whether every output equals plain `generate`'s
 (each mismatch listed with the target's top-2 logit gap where it diverged, to tell a near-tie from a bug).
+At temperature > 0, questions with a GSM8K reference (`math_reasoning`, or GSM8K `{question, answer}` rows)
+also get the task-quality check of `quality.py`: exact match per method with confidence intervals.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .assistant import ConFuAssistant
+from .quality import quality_check, quality_markdown
 from .questions import (
     DEFAULT_QUESTIONS,
     PACKAGED_QUESTIONS,
@@ -255,6 +258,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="Spec-Bench / MT-bench style question .jsonl (default: the packaged Spec-Bench dev half)")
     p.add_argument("--limit", type=int, default=None, help="at most this many questions")
     p.add_argument("--per-category", type=int, default=None, help="at most this many questions per category")
+    p.add_argument("--categories", nargs="*", default=None, help="only these categories, e.g. math_reasoning")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (with the losslessness check)")
     p.add_argument("--trees", default="4,2,6", help="tree budgets 'depth,top_k,total_tokens;...'")
@@ -283,7 +287,7 @@ def main(argv=None) -> dict:
     greedy = args.temperature == 0
     sampling = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=args.temperature)
     trees = _budgets(args.trees)
-    questions = load_questions(args.questions or DEFAULT_QUESTIONS, args.limit, args.per_category)
+    questions = load_questions(args.questions or DEFAULT_QUESTIONS, args.limit, args.per_category, args.categories)
     calibration = {}
     if args.auto_tree:
         for path in args.drafts:
@@ -311,9 +315,10 @@ def main(argv=None) -> dict:
     for name, rows in records.items():
         with (answers / f"{name.replace(':', '_')}.jsonl").open("w") as f:
             f.writelines(json.dumps(row) + "\n" for row in rows)
-    summary = dict(meta=meta, table=table, mismatches=mismatches, auto_tree=calibration)
+    quality = None if greedy else quality_check(records, questions)
+    summary = dict(meta=meta, table=table, mismatches=mismatches, auto_tree=calibration, quality=quality)
     out.with_suffix(".json").write_text(json.dumps(summary, indent=2))
-    text = markdown(table, meta)
+    text = markdown(table, meta) + (quality_markdown(quality) if quality else "")
     for name, cal in calibration.items():
         text += (f"\n## --auto-tree calibration for {name}\n\nchosen d{cal['chosen'][0]}k{cal['chosen'][1]}"
                  f"n{cal['chosen'][2]}; tokens/s per candidate: " +

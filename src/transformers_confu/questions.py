@@ -13,8 +13,10 @@ PACKAGED_QUESTIONS = "transformers_confu/benchmarks/specbench_dev.jsonl"  # how 
 
 
 def load_questions(path: str | Path = DEFAULT_QUESTIONS, limit: int | None = None,
-                   per_category: int | None = None) -> list[dict]:
-    """Read `{question_id, category, turns}` rows; keep `per_category` per category, then `limit` overall."""
+                   per_category: int | None = None, categories: list[str] | None = None) -> list[dict]:
+    """Read `{question_id, category, turns}` rows (GSM8K `{question, answer}` rows become category `gsm8k`
+    questions with the answer as `reference`); keep the `categories` given (default all), `per_category` per
+    category, then `limit` overall."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"No question file at {path}: pass the path of a Spec-Bench style .jsonl file.")
@@ -25,9 +27,13 @@ def load_questions(path: str | Path = DEFAULT_QUESTIONS, limit: int | None = Non
                 continue
             try:
                 row = json.loads(line)
+                if "turns" not in row and {"question", "answer"} <= set(row):
+                    row = dict(question_id=number, category="gsm8k", turns=[row["question"]], reference=[row["answer"]])
                 assert isinstance(row["turns"], list) and row["turns"] and isinstance(row["category"], str)
             except (json.JSONDecodeError, KeyError, AssertionError, TypeError) as err:
                 raise ValueError(f"{path}:{number}: not a Spec-Bench question ({err!r}).") from err
+            if categories is not None and row["category"] not in categories:
+                continue
             seen[row["category"]] = seen.get(row["category"], 0) + 1
             if per_category is None or seen[row["category"]] <= per_category:
                 rows.append(row)

@@ -23,6 +23,7 @@ from .checkpoints import folder_problem
 logger = logging.getLogger(__name__)
 
 DEFAULT_TARGET = "smollm2-135m-instruct"
+DEFAULT_TARGET_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the model that the embedded GGUF quantizes
 CHECKPOINTS = Path(__file__).resolve().parent / "checkpoints"
 EAGLE3_DRAFT = CHECKPOINTS / "smollm2-135m-instruct-eagle3"
 CONFU_DRAFT = CHECKPOINTS / "smollm2-135m-instruct-confu"
@@ -80,6 +81,17 @@ def _dequantize_gguf() -> tuple[PreTrainedTokenizerBase, PreTrainedModel]:
     model.hf_quantizer, model.is_quantized = None, False  # de-quantized: a plain float model from here on
     model.config.quantization_config = None
     return tokenizer, model
+
+
+def hub_name(name_or_path: str) -> str:
+    """The name to record for a target that `load_target` loads: the default's Hub id, else `name_or_path`."""
+    return DEFAULT_TARGET_HUB_ID if name_or_path == DEFAULT_TARGET else name_or_path
+
+
+def tokenizer_path(name_or_path: str) -> str:
+    """Where `AutoTokenizer.from_pretrained` finds the tokenizer of a target that `load_target` has loaded
+    (the default target's is in its de-quantized copy)."""
+    return str(_dequantized_copy()) if name_or_path == DEFAULT_TARGET else name_or_path
 
 
 def load_target(

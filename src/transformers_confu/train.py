@@ -35,7 +35,7 @@ from .data_sources import HOW_TO_PASS, find_sources, load_conversations
 from .feature_cache import build_feature_cache
 from .modeling_confu import ConFuDraftModel
 from .regenerate import regenerate_responses
-from .target import DEFAULT_TARGET, load_target
+from .target import DEFAULT_TARGET, hub_name, load_target, tokenizer_path
 from .trainer import ConFuTrainer
 from .training_args import ConFuTrainingArguments
 
@@ -80,6 +80,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--contemplate", action="store_true",
                    help="train a ConFu draft (future token, soft prompt, [con] MoE), e.g. from an EAGLE-3 --init-from")
     p.add_argument("--soft-tokens", type=int, default=16, help="ConFu: soft-prompt length")
+    p.add_argument("--soft-prompt-init-text", default=None,
+                   help="ConFu: start a fresh soft prompt as the target's embeddings of this text's tokens (peft's "
+                        "TEXT init), e.g. 'Think about what comes next.'; default: random vocabulary tokens")
     p.add_argument("--con-experts", type=int, default=8, help="ConFu: experts of the [con] and [f] MoE embeddings")
     p.add_argument("--con-top-k", type=int, default=2, help="ConFu: experts mixed per token")
     p.add_argument("--future-bias", type=float, default=2.0, help="ConFu: initial attention bias on the [f] entry")
@@ -137,10 +140,15 @@ def build_draft(args: argparse.Namespace, target, dataset) -> tuple[ConFuDraftMo
     if not draft.config.contemplate:
         return draft, None
     if args.init_from and (Path(args.init_from) / ADAPTER_FOLDER).is_dir():
+        if args.soft_prompt_init_text is not None:
+            raise SystemExit(f"--soft-prompt-init-text starts a fresh soft prompt, but --init-from {args.init_from} "
+                             f"brings its trained {ADAPTER_FOLDER}/: drop one of the two.")
         return draft, ContemplateAdapter.from_pretrained(Path(args.init_from) / ADAPTER_FOLDER)
     draft.init_future_from_target(target)
     adapter = ContemplateAdapter.for_target(target, num_soft_tokens=args.soft_tokens, num_experts=args.con_experts,
-                                            top_k=args.con_top_k)
+                                            top_k=args.con_top_k, init_text=args.soft_prompt_init_text,
+                                            tokenizer_name_or_path=tokenizer_path(args.target),
+                                            base_model_name_or_path=hub_name(args.target))
     return draft, adapter
 
 
