@@ -23,7 +23,12 @@ from transformers_confu import ConFuDraftModel
 from transformers_confu.data import DataCollatorForDraft
 from transformers_confu.target import load_target
 from transformers_confu.train import build_dataset, parse_args
-from transformers_confu.ttt import target_argmax, target_hidden, teacher_logits, ttt_loss
+from transformers_confu.ttt import (
+    target_argmax,
+    target_hidden,
+    teacher_logits,
+    ttt_loss,
+)
 
 VARIANTS = {"random": "none", "head+norm": "head,norm", "head+norm+fc": "head,norm,fc",
             "head+norm+fc+layer": "head,norm,fc,layer"}

@@ -21,10 +21,16 @@ from pathlib import Path
 import torch
 
 from transformers_confu import ConFuDraftConfig, ConFuDraftModel
-from transformers_confu.data import DataCollatorForDraft, build_draft_vocab, prompt_messages, render, tokenize_conversations
+from transformers_confu.data import (
+    DataCollatorForDraft,
+    build_draft_vocab,
+    prompt_messages,
+    render,
+    tokenize_conversations,
+)
 from transformers_confu.data_sources import find_sources, load_conversations
 from transformers_confu.feature_cache import build_feature_cache
-from transformers_confu.regenerate import _generate, RegenerationSettings
+from transformers_confu.regenerate import RegenerationSettings, _generate
 from transformers_confu.target import load_target
 from transformers_confu.trainer import ConFuTrainer
 from transformers_confu.training_args import ConFuTrainingArguments

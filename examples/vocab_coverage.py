@@ -22,10 +22,10 @@ import torch
 from transformers_confu import load_target
 from transformers_confu.data import (
     build_draft_vocab,
-    load_conversations,
     tokenize_conversations,
     vocab_coverage,
 )
+from transformers_confu.data_sources import find_sources, load_conversations
 from transformers_confu.regenerate import regenerate_responses
 
 
@@ -44,7 +44,8 @@ def main() -> None:
     p.add_argument("--out", required=True, help="writes OUT.md and OUT.json")
     args = p.parse_args()
     model, tokenizer = load_target(args.target)
-    answered = regenerate_responses(load_conversations(find_sources(data_dir=args.data_dir)), model, tokenizer, args.regenerate_dir,
+    conversations = load_conversations(find_sources(data_dir=args.data_dir))
+    answered = regenerate_responses(conversations, model, tokenizer, args.regenerate_dir,
                                     max_prompt_tokens=args.max_length - 64, max_minutes=0)  # reads, generates nothing
     train = tokenize_conversations(answered, tokenizer, max_length=args.max_length)
     dev = defaultdict(list)
