@@ -96,3 +96,14 @@ def test_packaged_spec_bench_questions_load_by_default():
     rows = load_questions()
     assert len(rows) == 240 and len({r["category"] for r in rows}) == 13
     assert len(load_questions(per_category=1)) == 13
+
+
+def test_turns_limits_the_answered_turns(tmp_path):
+    target, tokenizer = tiny_target(), tiny_tokenizer()
+    target.save_pretrained(tmp_path / "target")
+    tokenizer.save_pretrained(tmp_path / "target")
+    out = tmp_path / "bench"
+    main(["--target", str(tmp_path / "target"), "--drafts", "--questions", str(write_questions(tmp_path / "q.jsonl")),
+          "--max-new-tokens", "4", "--prompt-lookup", "0", "--turns", "1", "--out", str(out)])
+    rows = [json.loads(line) for line in (tmp_path / "bench_answers" / "generate.jsonl").read_text().splitlines()]
+    assert rows and all(len(row["choices"][0]["turns"]) == 1 for row in rows)

@@ -260,6 +260,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--per-category", type=int, default=None, help="at most this many questions per category")
     p.add_argument("--categories", nargs="*", default=None, help="only these categories, e.g. math_reasoning")
     p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--turns", type=int, default=None, help="answer at most this many turns per question (1: first turns)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (with the losslessness check)")
     p.add_argument("--trees", default="4,2,6", help="tree budgets 'depth,top_k,total_tokens;...'")
     p.add_argument("--auto-tree", action="store_true",
@@ -288,6 +289,8 @@ def main(argv=None) -> dict:
     sampling = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=args.temperature)
     trees = _budgets(args.trees)
     questions = load_questions(args.questions or DEFAULT_QUESTIONS, args.limit, args.per_category, args.categories)
+    if args.turns is not None:
+        questions = [{**q, "turns": q["turns"][: args.turns]} for q in questions]
     calibration = {}
     if args.auto_tree:
         for path in args.drafts:

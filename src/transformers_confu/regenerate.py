@@ -179,8 +179,9 @@ def regenerate_responses(
         logger.info("skipping %d prompts longer than %d tokens", len(unique) - len(fits), max_prompt_tokens)
     batches = [[fits[j] for j in batch] for batch in _batches([ids[n] for n in fits], batch_size)]
     todo = [b for b in batches if any(keys[unique[n]] not in done for n in b)]
-    logger.info("%d of %d prompts to answer (%d answered in %s)", sum(map(len, todo)), len(fits),
-                len(fits) - sum(map(len, todo)), responses_path)
+    missing = sum(keys[unique[n]] not in done for n in fits)
+    logger.info("%d of %d prompts to answer (%d answered in %s)", missing, len(fits), len(fits) - missing,
+                responses_path)
     stats_path = directory / STATS_FILE
     stats = json.loads(stats_path.read_text()) if stats_path.exists() else {"rows": 0, "new_tokens": 0, "seconds": 0.0}
     start = time.monotonic()
