@@ -98,12 +98,16 @@ def test_packaged_spec_bench_questions_load_by_default():
     assert len(load_questions(per_category=1)) == 13
 
 
-def test_turns_limits_the_answered_turns(tmp_path):
+def test_turns_device_dtype_and_the_static_cache_baseline(tmp_path):
     target, tokenizer = tiny_target(), tiny_tokenizer()
     target.save_pretrained(tmp_path / "target")
     tokenizer.save_pretrained(tmp_path / "target")
     out = tmp_path / "bench"
     main(["--target", str(tmp_path / "target"), "--drafts", "--questions", str(write_questions(tmp_path / "q.jsonl")),
-          "--max-new-tokens", "4", "--prompt-lookup", "0", "--turns", "1", "--out", str(out)])
-    rows = [json.loads(line) for line in (tmp_path / "bench_answers" / "generate.jsonl").read_text().splitlines()]
-    assert rows and all(len(row["choices"][0]["turns"]) == 1 for row in rows)
+          "--max-new-tokens", "4", "--prompt-lookup", "0", "--turns", "1", "--static-baseline", "--device", "cpu",
+          "--dtype", "float32", "--out", str(out)])
+    for method in ("generate", "generate-static"):
+        rows = [json.loads(line) for line in (tmp_path / "bench_answers" / f"{method}.jsonl").read_text().splitlines()]
+        assert rows and all(len(row["choices"][0]["turns"]) == 1 for row in rows)
+    summary = json.loads(out.with_suffix(".json").read_text())
+    assert summary["table"]["generate-static"]["overall"]["identical"] is True and summary["meta"]["dtype"] == "float32"

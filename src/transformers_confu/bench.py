@@ -70,8 +70,9 @@ def auto_tree(model, tokenizer, path: str, questions: list[dict], candidates: li
 
 def build_methods(model, drafts: list[str], trees: list[tuple[int, int, int]], sampling: dict,
                   prompt_lookup: int | None, contemplate_nodes: list[int | None] = (None,),
-                  assistant_model=None) -> list[Method]:
-    """Plain generate (the reference), prompt lookup, transformers' assisted decoding (with `assistant_model`),
+                  assistant_model=None, static_baseline: bool = False) -> list[Method]:
+    """Plain generate (the reference), with `static_baseline` plain generate with a static cache (which transformers
+    compiles on CUDA), prompt lookup, transformers' assisted decoding (with `assistant_model`),
     then every draft x tree budget; a ConFu draft once per `contemplate_nodes` entry (None: a `[con]` on every
     node, "confu"; m > 0: on the m likeliest path ends, "confu-c{m}"; 0: without its future token, "confu-off")."""
     ones = torch.ones_like
@@ -80,6 +81,9 @@ def build_methods(model, drafts: list[str], trees: list[tuple[int, int, int]], s
         return model.generate(ids, attention_mask=ones(ids), max_new_tokens=n, **sampling), None
 
     methods = [Method("generate", plain)]
+    if static_baseline:  # transformers' compiled decoding: the baseline to beat on a GPU
+        methods.append(Method("generate-static", lambda ids, n: (model.generate(
+            ids, attention_mask=ones(ids), max_new_tokens=n, cache_implementation="static", **sampling), None)))
     if prompt_lookup:
         methods.append(Method(f"prompt_lookup{prompt_lookup}", lambda ids, n: (model.generate(
             ids, attention_mask=ones(ids), max_new_tokens=n, prompt_lookup_num_tokens=prompt_lookup, **sampling), None)))
@@ -110,17 +114,18 @@ def _speculative(model, assistant: ConFuAssistant, sampling: dict, contemplate_n
     return run
 
 
-def answer(method: Method, tokenizer, question: dict, max_new_tokens: int, seed: int) -> dict:
+def answer(method: Method, tokenizer, question: dict, max_new_tokens: int, seed: int,
+           device: torch.device | str = "cpu") -> dict:
     """Answer every turn of a question (later turns see the method's own earlier answers)."""
     texts, ids_out, new_tokens, times, accepts = [], [], [], [], []
     for turn in range(len(question["turns"])):
-        ids = chat_input_ids(tokenizer, question["turns"][: turn + 1], texts)
+        ids = chat_input_ids(tokenizer, question["turns"][: turn + 1], texts).to(device)
         torch.manual_seed(seed + turn)
         start = time.perf_counter()
         out, accept = method.run(ids, max_new_tokens)
         times.append(time.perf_counter() - start)
-        new = out[0, ids.shape[1]:]
-        ids_out.append((ids, new))
+        new = out[0, ids.shape[1]:].cpu()
+        ids_out.append((ids.cpu(), new))
         texts.append(tokenizer.decode(new, skip_special_tokens=True))
         new_tokens.append(int(new.numel()))
         if accept is None and method.name == "generate":  # one token per target pass, by definition
@@ -144,7 +149,7 @@ def divergence(model, reference: tuple, other: tuple) -> dict | None:
     if not torch.equal(prompt, prompt_b):
         return dict(position=-1, note="the prompts differ (an earlier turn diverged)")
     with torch.no_grad():
-        logits = model(torch.cat([prompt[0], ref[:at]])[None]).logits[0, -1]
+        logits = model(torch.cat([prompt[0], ref[:at]])[None].to(model.device)).logits[0, -1]
     top = logits.float().topk(2).values
     return dict(position=at, top2_logit_gap=float(top[0] - top[1]), reference_token=int(ref[at]) if at < ref.numel()
                 else None, token=int(new[at]) if at < new.numel() else None)
@@ -231,7 +236,7 @@ def run_bench(model, tokenizer, methods: list[Method], questions: list[dict], ma
     records: dict[str, list[dict]] = {m.name: [] for m in methods}
     mismatches: dict[str, list] = defaultdict(list)
     for question in tqdm(questions, desc="questions"):
-        rows = {m.name: answer(m, tokenizer, question, max_new_tokens, seed) for m in methods}
+        rows = {m.name: answer(m, tokenizer, question, max_new_tokens, seed, model.device) for m in methods}
         reference = rows["generate"].pop("_ids")
         for name, row in rows.items():
             ids = row.pop("_ids", reference)
@@ -253,6 +258,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="confu-bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default=DEFAULT_TARGET, help="the embedded default target, a folder or a Hub id")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                   help="the target's dtype (default: bfloat16 on CUDA, float32 on CPU)")
+    p.add_argument("--static-baseline", action="store_true",
+                   help="also run plain generate with cache_implementation='static' (compiled on CUDA)")
     p.add_argument("--drafts", nargs="*", default=[str(DEFAULT_DRAFT)], help="draft folders or Hub ids")
     p.add_argument("--questions", default=None,
                    help="Spec-Bench / MT-bench style question .jsonl (default: the packaged Spec-Bench dev half)")
@@ -284,7 +294,8 @@ def main(argv=None) -> dict:
 
     args = parse_args(argv)
     torch.manual_seed(args.seed)
-    model, tokenizer = load_target(args.target)
+    dtype = args.dtype or ("bfloat16" if str(args.device).startswith("cuda") else "float32")
+    model, tokenizer = load_target(args.target, torch_dtype=getattr(torch, dtype), device=args.device)
     greedy = args.temperature == 0
     sampling = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=args.temperature)
     trees = _budgets(args.trees)
@@ -304,11 +315,13 @@ def main(argv=None) -> dict:
         from transformers import AutoModelForCausalLM
 
         assistant_model = AutoModelForCausalLM.from_pretrained(args.assistant_model, dtype=model.dtype).to(model.device)
-    methods = build_methods(model, args.drafts, trees, sampling, args.prompt_lookup, nodes, assistant_model)
+    methods = build_methods(model, args.drafts, trees, sampling, args.prompt_lookup, nodes, assistant_model,
+                            args.static_baseline)
     records, mismatches = run_bench(model, tokenizer, methods, questions, args.max_new_tokens, args.seed, greedy)
     table = summarize(records, greedy, mismatches)
     meta = dict(target=args.target, hardware=f"{platform.machine()} CPU, {torch.get_num_threads()} threads"
-                if not torch.cuda.is_available() else torch.cuda.get_device_name(), questions=len(questions),
+                if model.device.type == "cpu" else torch.cuda.get_device_name(model.device), dtype=dtype,
+                questions=len(questions),
                 question_file=args.questions or PACKAGED_QUESTIONS, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                 seed=args.seed, command="confu-bench " + " ".join(argv if argv is not None else sys.argv[1:]))
     out = Path(args.out)
