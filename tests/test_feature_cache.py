@@ -3,6 +3,12 @@ full-vocabulary accuracy: training from the cache equals training with the targe
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
 import datasets
 import pytest
 import torch
@@ -44,6 +50,49 @@ def test_cache_holds_the_target_outputs_and_resumes_without_recomputing(tmp_path
     (tmp_path / "shard-00001-of-00002.arrow").unlink()  # a shard lost: only it is rebuilt
     build_feature_cache(rows, target, layers, tmp_path, batch_size=4, shard_rows=4, dtype="float32")
     assert len(calls) == 1
+
+
+@pytest.mark.parametrize("damage", ["truncated", "empty", "garbage"])
+def test_torn_shard_is_rebuilt_with_a_warning(tmp_path, caplog, damage):
+    target, rows = tiny_target(), tiny_rows()
+    whole = build_feature_cache(rows, target, [2, 2, 4], tmp_path / "whole", shard_rows=4, dtype="float32")
+    build_feature_cache(rows, target, [2, 2, 4], tmp_path / "torn", shard_rows=4, dtype="float32")
+    shard = tmp_path / "torn" / "shard-00000-of-00002.arrow"
+    if damage == "truncated":
+        os.truncate(shard, shard.stat().st_size * 2 // 3)
+    else:
+        shard.write_bytes(b"" if damage == "empty" else b"not an arrow stream" * 10)
+    again = build_feature_cache(rows, target, [2, 2, 4], tmp_path / "torn", shard_rows=4, dtype="float32")
+    assert "rebuilding feature-cache shard shard-00000-of-00002.arrow" in caplog.text
+    for key in ("input_ids", "features", "target_ids"):
+        assert again[key] == whole[key]
+
+
+def test_killed_cache_build_resumes_to_the_same_cache(tmp_path):
+    """SIGKILL inside the second shard's computation (in a subprocess); the rerun gives the uninterrupted cache."""
+    script = (
+        "import os, signal, sys; sys.path.insert(0, sys.argv[1])\n"
+        "import transformers_confu.feature_cache as fc\n"
+        "from test_feature_cache import tiny_rows, tiny_target\n"
+        "compute, calls = fc._compute, []\n"
+        "def dying(*a):\n"
+        "    inner = compute(*a)\n"
+        "    def run(batch):\n"
+        "        calls.append(1)\n"
+        "        if len(calls) == 2: os.kill(os.getpid(), signal.SIGKILL)\n"
+        "        return inner(batch)\n"
+        "    return run\n"
+        "fc._compute = dying\n"
+        "fc.build_feature_cache(tiny_rows(), tiny_target(), [2, 2, 4], sys.argv[2], batch_size=4, shard_rows=4)\n"
+    )
+    run = subprocess.run([sys.executable, "-c", script, str(Path(__file__).parent), str(tmp_path / "run")],
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert run.returncode == -signal.SIGKILL
+    assert len(list((tmp_path / "run").glob("shard-*.arrow"))) == 1  # the first shard only; no torn second one
+    again = build_feature_cache(tiny_rows(), tiny_target(), [2, 2, 4], tmp_path / "run", batch_size=4, shard_rows=4)
+    whole = build_feature_cache(tiny_rows(), tiny_target(), [2, 2, 4], tmp_path / "whole", batch_size=4, shard_rows=4)
+    for key in ("input_ids", "features", "last_hidden", "target_ids"):
+        assert again[key] == whole[key]
 
 
 def test_cache_time_box_returns_finished_shards(tmp_path, monkeypatch):

@@ -55,6 +55,18 @@ def _check_settings(directory: Path, settings: dict) -> None:
         write_json_atomic(path, settings)
 
 
+def shard_problem(path: Path, rows: int) -> str | None:
+    """Why the shard file at `path` is not a whole shard of `rows` rows, or None (missing files are not
+    a problem: they are built). Arrow streams have no footer, so a cut file is found by its row count."""
+    if not path.exists():
+        return None
+    try:
+        found = len(datasets.Dataset.from_file(str(path)))
+    except Exception as error:  # pyarrow raises several types for torn or foreign files
+        return f"unreadable ({type(error).__name__}: {error})"
+    return None if found == rows else f"{found} rows instead of {rows}"
+
+
 def _compute(target, feature_layers: list[int], dtype: torch.dtype):
     device = target.device
 
@@ -115,6 +127,10 @@ def build_feature_cache(
             logger.info("feature cache: time box reached after %d of %d shards; rerun to go on", index, num_shards)
             break
         shard = dataset.select(range(index * shard_rows, min((index + 1) * shard_rows, len(dataset))))
+        problem = shard_problem(path, len(shard))
+        if problem is not None:
+            logger.warning("rebuilding feature-cache shard %s: %s (a kill or a full disk?)", path.name, problem)
+            path.unlink()
         shards.append(shard.map(
             compute, batched=True, batch_size=batch_size, writer_batch_size=batch_size, features=features,
             cache_file_name=str(path), new_fingerprint=f"{settings['target']}-{settings['data']}-{dtype}-{index}",
