@@ -71,7 +71,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--regenerate-temperature", type=float, default=0.0, help="0: greedy answers")
     p.add_argument("--draft-vocab-size", type=int, default=8192,
                    help="the most frequent assistant tokens of the training data (its coverage is logged)")
-    p.add_argument("--init-from-target", default="head,norm",
+    p.add_argument("--init-from-target", default="head,norm,fc,layer",
                    help="fresh drafts: parts copied from the target (head, norm, fc, layer; comma-separated) or 'none'")
     p.add_argument("--feature-cache", default=None,
                    help="EAGLE-3: keep the target's features here (built once, resumable); epochs then run the draft only")
