@@ -328,6 +328,8 @@ def test_regenerate_refuses_other_settings_and_skips_torn_lines(tokenizer, tmp_p
     full = regenerate_responses(ds, model, tokenizer, tmp_path, batch_size=2, max_new_tokens=3)
     with pytest.raises(ValueError, match="other settings.*max_new_tokens"):
         regenerate_responses(ds, model, tokenizer, tmp_path, batch_size=2, max_new_tokens=4)
+    same = regenerate_responses(ds, model, tokenizer, tmp_path, batch_size=2, max_new_tokens=3, seed=5)
+    assert same.to_list() == full.to_list()  # greedy answers do not depend on the seed: the same directory serves
     other = _tiny_chat_model(tokenizer)
     with torch.no_grad():
         other.get_input_embeddings().weight.add_(1.0)

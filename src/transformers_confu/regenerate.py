@@ -161,7 +161,9 @@ def regenerate_responses(
     `max_prompt_tokens` are left out (logged), or with `keep_unanswered` kept as they are when they end with
     an assistant turn (a reference answer). Rerun with the same arguments to go on."""
     directory = Path(directory)
-    settings = RegenerationSettings(target_fingerprint(model), max_new_tokens, temperature, top_p, seed)
+    sampled = temperature > 0  # greedy answers depend on neither the seed nor top_p
+    settings = RegenerationSettings(target_fingerprint(model), max_new_tokens, temperature,
+                                    top_p if sampled else 1.0, seed if sampled else 0)
     _check_settings(directory, settings)
     responses_path = directory / RESPONSES_FILE
     done = read_responses(responses_path)
