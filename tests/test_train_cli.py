@@ -37,6 +37,7 @@ def test_train_in_two_pieces_then_load(tmp_path):
     main(argv)  # picks up the checkpoint and finishes
     record = json.loads((tmp_path / "run" / "final" / "training_record.json").read_text())
     assert record["finished"] is True and record["global_step"] == record["max_steps"] == 12
+    assert 0.9 < record["vocab_coverage"] <= 1 and "vocab_coverage" not in record["args"]
     assistant = ConFuAssistant.from_pretrained(tmp_path / "run" / "final", target_model=target)
     assert assistant.draft.lm_head.weight.dtype == torch.float32  # moved to the target's dtype on attach
     ids = torch.tensor([tokenizer.apply_chat_template([{"role": "user", "content": "What is 2 + 3?"}],

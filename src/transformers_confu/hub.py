@@ -74,6 +74,8 @@ def model_card(draft_dir: str | Path, base_model: str, bench: dict | None = None
                   f"steps {record.get('global_step')} of {record.get('max_steps')}, "
                   f"{record.get('metrics', {}).get('train_runtime', '?')} s of training",
                   f"- hardware: {hardware or 'CPU'}",
+                  *([f"- the draft vocabulary covers {100 * record['vocab_coverage']:.2f}% of the training answers' "
+                     "tokens"] if record.get("vocab_coverage") else []),
                   "- final TTT accuracies: " + ", ".join(f"{k} {v}" for k, v in logs[-1].items() if "acc" in k),
                   f"- command: `confu-train {' '.join(_cli(args))}`", ""]
     if bench:

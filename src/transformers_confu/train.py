@@ -170,9 +170,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.ttt_steps is None:
         args.ttt_steps = int(args.tree.split(",")[0]) + 1
     draft, adapter = build_draft(args, target, dataset)
-    args.vocab_coverage = vocab_coverage(dataset, draft.d2t)
+    coverage = vocab_coverage(dataset, draft.d2t)
     logger.info("the draft vocabulary (%d tokens) covers %.2f%% of the training assistant tokens",
-                draft.config.draft_vocab_size, 100 * args.vocab_coverage)
+                draft.config.draft_vocab_size, 100 * coverage)
     dataset = dataset.add_column("length", [len(ids) for ids in dataset["input_ids"]])
     if args.feature_cache:
         if adapter is not None:
@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None) -> None:
     result = trainer.train(resume_from_checkpoint=last)
     if trainer.is_world_process_zero():
         finished = trainer.state.global_step >= trainer.state.max_steps
-        save_final(trainer, args, result.metrics, time.monotonic() - start, finished)
+        save_final(trainer, args, result.metrics, time.monotonic() - start, finished, coverage)
     del trainer
     gc.collect()
     if dist.is_available() and dist.is_initialized():
@@ -208,8 +208,10 @@ def main(argv: list[str] | None = None) -> None:
         dist.destroy_process_group()
 
 
-def save_final(trainer: ConFuTrainer, args: argparse.Namespace, metrics: dict, seconds: float, finished: bool) -> None:
-    """Write the draft in `--save-dtype` to `<output-dir>/final`, with the run's record, atomically: a kill
+def save_final(trainer: ConFuTrainer, args: argparse.Namespace, metrics: dict, seconds: float, finished: bool,
+               vocab_coverage: float | None = None) -> None:
+    """Write the draft in `--save-dtype` to `<output-dir>/final`, with the run's record (and the draft
+    vocabulary's coverage of the training answers), atomically: a kill
     leaves the previous `final` (or none), never a partly written one."""
     final = Path(args.output_dir) / "final"
     draft, adapter = trainer.trained_modules(trainer.model)
@@ -222,7 +224,7 @@ def save_final(trainer: ConFuTrainer, args: argparse.Namespace, metrics: dict, s
         history = [log for log in trainer.state.log_history if "loss" in log]
         record = dict(args=vars(args), finished=finished, global_step=trainer.state.global_step,
                       max_steps=trainer.state.max_steps, seconds_this_piece=seconds, metrics=metrics,
-                      last_logs=history[-5:])
+                      vocab_coverage=vocab_coverage, last_logs=history[-5:])
         (folder / "training_record.json").write_text(json.dumps(record, indent=2, default=str))
     logger.info("Saved the draft to %s (step %d of %d)", final, trainer.state.global_step, trainer.state.max_steps)
 
