@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from transformers_confu import load_target
+from transformers_confu import ConFuDraftModel, load_target
 from transformers_confu.data import (
     build_draft_vocab,
     tokenize_conversations,
@@ -41,6 +41,7 @@ def main() -> None:
     p.add_argument("--max-length", type=int, default=512)
     p.add_argument("--dev-answers", required=True, help="Spec-Bench answer file of plain generate on the dev set")
     p.add_argument("--sizes", default="2048,4096,8192,16384,32768")
+    p.add_argument("--drafts", nargs="*", default=[], help="also the coverage of these drafts' own vocabularies")
     p.add_argument("--out", required=True, help="writes OUT.md and OUT.json")
     args = p.parse_args()
     model, tokenizer = load_target(args.target)
@@ -58,6 +59,12 @@ def main() -> None:
     for size in (int(s) for s in args.sizes.split(",")):
         vocab = build_draft_vocab(train, size, len(tokenizer)).numpy()
         row = {"size": size, "train": vocab_coverage(train, torch.from_numpy(vocab)),
+               "dev": float(np.isin(dev_all, vocab).mean())}
+        row.update({f"dev_{c}": float(np.isin(np.array(v), vocab).mean()) for c, v in sorted(dev.items())})
+        rows.append(row)
+    for path in args.drafts:
+        vocab = ConFuDraftModel.from_pretrained(path).d2t.numpy()
+        row = {"size": f"{Path(path).name} ({len(vocab)})", "train": vocab_coverage(train, torch.from_numpy(vocab)),
                "dev": float(np.isin(dev_all, vocab).mean())}
         row.update({f"dev_{c}": float(np.isin(np.array(v), vocab).mean()) for c, v in sorted(dev.items())})
         rows.append(row)
