@@ -30,7 +30,7 @@ from transformers_confu.data import (
 )
 from transformers_confu.data_sources import find_sources, load_conversations
 from transformers_confu.feature_cache import build_feature_cache
-from transformers_confu.regenerate import RegenerationSettings, _generate
+from transformers_confu.regenerate import RegenerationSettings, generate_answers
 from transformers_confu.target import load_target
 from transformers_confu.trainer import ConFuTrainer
 from transformers_confu.training_args import ConFuTrainingArguments
@@ -44,7 +44,7 @@ def regeneration(model, tokenizer, conversations, batch: int, new_tokens: int) -
     for name, growing in (("transformers DynamicCache", False), ("growing cache (ours)", True)):
         start = time.perf_counter()
         if growing:
-            _, lengths, _ = _generate(model, tokenizer, prompts, settings, seed=0)
+            _, lengths, _ = generate_answers(model, tokenizer, prompts, settings, seed=0)
         else:
             pad = tokenizer.pad_token_id
             width = max(map(len, prompts))

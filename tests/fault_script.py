@@ -119,7 +119,7 @@ def regenerate(point: str, target: str, directory: str) -> None:
     kind, _, k = point.partition(":")
     count = int(k)
     if kind == "batch":
-        generate, calls = module._generate, []
+        generate, calls = module.generate_answers, []
 
         def generate_or_die(*args, **kwargs):
             calls.append(1)
@@ -127,7 +127,7 @@ def regenerate(point: str, target: str, directory: str) -> None:
                 die()
             return generate(*args, **kwargs)
 
-        module._generate = generate_or_die
+        module.generate_answers = generate_or_die
     else:
         open_path = Path.open
 

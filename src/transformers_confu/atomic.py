@@ -1,12 +1,14 @@
-"""Writing a folder all at once: a kill at any instant leaves the old folder or the new one complete.
+"""Writing a folder or a JSON file all at once: a kill at any instant leaves the old one or the new one complete.
 
 Long jobs (training checkpoints, the final draft, the de-quantized target) write into a staging folder
 beside the destination, sync it to disk, and rename it into place. A rename is atomic on POSIX file
-systems, so the destination name never points at a half-written folder.
+systems, so the destination name never points at a half-written folder. Their small state files
+(`write_json_atomic`) and the settings a directory of results was made with (`pin_settings`) go the same way.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from collections.abc import Iterator
@@ -65,6 +67,31 @@ def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
         shutil.rmtree(staged, ignore_errors=True)
         raise
     publish_dir(staged, path)
+
+
+def write_json_atomic(path: str | os.PathLike, obj: dict) -> None:
+    """Write `obj` as JSON so that a kill leaves the old or the new file, never a torn one."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with tmp.open("w") as file:
+        file.write(json.dumps(obj, indent=2))
+        file.flush()
+        os.fsync(file.fileno())
+    os.replace(tmp, path)
+
+
+def pin_settings(directory: str | os.PathLike, settings: dict, mismatch: str, remedy: str) -> None:
+    """Record `settings` in `directory/settings.json` on first use; later, raise a `ValueError` when they differ
+    (`mismatch`, the fields that differ, then `remedy`): results made with other settings are never reused."""
+    path = Path(directory) / "settings.json"
+    if path.exists():
+        saved = json.loads(path.read_text())
+        if saved != settings:
+            diff = ", ".join(f"{k}: {saved.get(k)} there, {v} now" for k, v in settings.items() if saved.get(k) != v)
+            raise ValueError(f"{mismatch} ({diff}). {remedy}")
+    else:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(path, settings)
 
 
 def _fsync_dir(folder: str | os.PathLike) -> None:

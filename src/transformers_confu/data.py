@@ -14,6 +14,9 @@ from .chat_layouts import Messages
 
 logger = logging.getLogger(__name__)
 
+# The target's outputs that `feature_cache.py` stores beside `input_ids` and `loss_mask`.
+CACHED_COLUMNS = ("features", "last_hidden", "target_ids")
+
 
 def render(tokenizer, messages: Messages, add_generation_prompt: bool = False) -> str:
     """The conversation as text, through the tokenizer's chat template."""
@@ -124,7 +127,7 @@ class DataCollatorForDraft:
             "loss_mask": torch.zeros((len(rows), length), dtype=torch.long),
             "attention_mask": torch.zeros((len(rows), length), dtype=torch.long),
         }
-        cached = [key for key in ("features", "last_hidden", "target_ids") if key in rows[0]]
+        cached = [key for key in CACHED_COLUMNS if key in rows[0]]
         for key in cached:
             first = torch.as_tensor(rows[0][key])
             dtype = torch.long if key == "target_ids" else first.dtype

@@ -12,7 +12,6 @@ the target, feature layers, data and dtype: a cache made for anything else is re
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 from pathlib import Path
 from time import monotonic
@@ -23,14 +22,12 @@ import pyarrow.compute as pc
 import torch
 from tqdm.auto import tqdm
 
-from .regenerate import target_fingerprint, write_json_atomic
+from .atomic import pin_settings
+from .data import DataCollatorForDraft
+from .regenerate import target_fingerprint
 from .ttt import target_argmax, target_hidden
 
 logger = logging.getLogger(__name__)
-
-SETTINGS_FILE = "settings.json"
-CACHED_COLUMNS = ("features", "last_hidden", "target_ids")
-
 
 def _data_key(dataset: datasets.Dataset) -> str:
     table = dataset.with_format("arrow")[:]
@@ -41,18 +38,6 @@ def _data_key(dataset: datasets.Dataset) -> str:
         digest.update(pc.list_flatten(flat).to_numpy().astype(np.int64).tobytes())
     return digest.hexdigest()[:16]
 
-
-def _check_settings(directory: Path, settings: dict) -> None:
-    path = directory / SETTINGS_FILE
-    if path.exists():
-        saved = json.loads(path.read_text())
-        if saved != settings:
-            diff = ", ".join(f"{k}: {saved.get(k)} there, {v} now" for k, v in settings.items() if saved.get(k) != v)
-            raise ValueError(f"The feature cache in {directory} was built for something else ({diff}). "
-                             "Pass another --feature-cache directory, or delete this one to rebuild it.")
-    else:
-        directory.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(path, settings)
 
 
 def shard_problem(path: Path, rows: int) -> str | None:
@@ -68,16 +53,13 @@ def shard_problem(path: Path, rows: int) -> str | None:
 
 
 def _compute(target, feature_layers: list[int], dtype: torch.dtype):
-    device = target.device
+    device, collate = target.device, DataCollatorForDraft(pad_token_id=0)
 
     def compute(batch: dict) -> dict:
         lengths = [len(ids) for ids in batch["input_ids"]]
-        input_ids = torch.zeros(len(lengths), max(lengths), dtype=torch.long)
-        attention_mask = torch.zeros_like(input_ids)
-        for row, ids in enumerate(batch["input_ids"]):
-            input_ids[row, : len(ids)] = torch.as_tensor(ids)
-            attention_mask[row, : len(ids)] = 1
-        features, last_hidden = target_hidden(target, input_ids.to(device), attention_mask.to(device), feature_layers)
+        padded = collate([{"input_ids": i, "loss_mask": m} for i, m in zip(batch["input_ids"], batch["loss_mask"])])
+        features, last_hidden = target_hidden(target, padded["input_ids"].to(device),
+                                              padded["attention_mask"].to(device), feature_layers)
         greedy = target_argmax(target, last_hidden)
         features, last_hidden = features.to(dtype).cpu().numpy(), last_hidden.to(dtype).cpu().numpy()
         greedy = greedy.to(torch.int32).cpu().numpy()
@@ -108,7 +90,8 @@ def build_feature_cache(
     directory = Path(directory)
     settings = {"target": target_fingerprint(target), "feature_layers": list(feature_layers),
                 "data": _data_key(dataset), "rows": len(dataset), "dtype": dtype, "shard_rows": shard_rows}
-    _check_settings(directory, settings)
+    pin_settings(directory, settings, f"The feature cache in {directory} was built for something else",
+                 "Pass another --feature-cache directory, or delete this one to rebuild it.")
     hidden = target.config.hidden_size
     arrow_dtype = "float32" if dtype == "bfloat16" else dtype  # Arrow has no bfloat16: stored as float32
     features = datasets.Features({

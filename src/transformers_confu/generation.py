@@ -216,8 +216,8 @@ def speculative_generate(
         t0 = time.perf_counter()
         drafter.catch_up(next_ids, feats, length, future)
         tree = drafter.propose(token, length)
-        cons = [] if adapter is None or contemplate_nodes == 0 else tree.likely_ends(
-            len(tree) if contemplate_nodes is None else contemplate_nodes)
+        ends = len(tree) if contemplate_nodes is None else contemplate_nodes
+        cons = [] if adapter is None else tree.likely_ends(ends)
         t1 = time.perf_counter()
         # Verify the whole tree in one target pass, accept a path, keep only its keys and values.
         logits, features, con_features = verify.tree(tree, length, cons, feats[0, -1])

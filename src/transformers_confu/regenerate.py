@@ -22,12 +22,13 @@ import datasets
 import torch
 from tqdm.auto import tqdm
 
+from .atomic import pin_settings, write_json_atomic
 from .cache import cache_kwargs, growing_cache
 from .data import Messages, prompt_messages, render
 
 logger = logging.getLogger(__name__)
 
-RESPONSES_FILE, SETTINGS_FILE, STATS_FILE = "responses.jsonl", "settings.json", "stats.json"
+RESPONSES_FILE, STATS_FILE = "responses.jsonl", "stats.json"
 
 
 @dataclass(frozen=True)
@@ -53,15 +54,6 @@ def prompt_key(prompt: Messages) -> str:
     return hashlib.sha256(json.dumps(prompt, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def write_json_atomic(path: Path, obj: dict) -> None:
-    """Write `obj` as JSON so that a kill leaves the old or the new file, never a torn one."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with tmp.open("w") as file:
-        file.write(json.dumps(obj, indent=2))
-        file.flush()
-        os.fsync(file.fileno())
-    os.replace(tmp, path)
-
 
 def read_responses(path: Path) -> dict[str, dict]:
     """`{key: record}` from a responses file; unreadable (torn) lines are skipped with a warning."""
@@ -85,20 +77,6 @@ def _drop_torn_tail(path: Path) -> None:
             os.truncate(path, whole)
 
 
-def _check_settings(directory: Path, settings: RegenerationSettings) -> None:
-    path = directory / SETTINGS_FILE
-    if path.exists():
-        saved = json.loads(path.read_text())
-        if saved != asdict(settings):
-            diff = {k: (saved.get(k), v) for k, v in asdict(settings).items() if saved.get(k) != v}
-            raise ValueError(
-                f"{directory} holds answers made with other settings ({', '.join(f'{k}: {a} there, {b} now' for k, (a, b) in diff.items())}). "
-                "Use another directory for these settings, or delete this one to regenerate."
-            )
-    else:
-        directory.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(path, asdict(settings))
-
 
 def _batches(prompt_ids: list[list[int]], batch_size: int, window: int = 8) -> list[list[int]]:
     """Indices in batches of similar prompt length: the order is kept window by window (`window` batches),
@@ -112,8 +90,9 @@ def _batches(prompt_ids: list[list[int]], batch_size: int, window: int = 8) -> l
 
 
 @torch.no_grad()
-def _generate(model, tokenizer, prompt_ids: list[list[int]], settings: RegenerationSettings, seed: int):
-    """Left-padded batched decoding; returns (texts, new-token counts, ended with EOS)."""
+def generate_answers(model, tokenizer, prompt_ids: list[list[int]], settings: RegenerationSettings, seed: int):
+    """Answer tokenized prompts in one left-padded batch with a growing KV cache; returns (texts, new-token
+    counts, ended with EOS). `seed` seeds the sampling (unused when greedy)."""
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     width = max(len(p) for p in prompt_ids)
     input_ids = torch.full((len(prompt_ids), width), pad, dtype=torch.long)
@@ -164,7 +143,8 @@ def regenerate_responses(
     sampled = temperature > 0  # greedy answers depend on neither the seed nor top_p
     settings = RegenerationSettings(target_fingerprint(model), max_new_tokens, temperature,
                                     top_p if sampled else 1.0, seed if sampled else 0)
-    _check_settings(directory, settings)
+    pin_settings(directory, asdict(settings), f"{directory} holds answers made with other settings",
+                 "Use another directory for these settings, or delete this one to regenerate.")
     responses_path = directory / RESPONSES_FILE
     done = read_responses(responses_path)
     _drop_torn_tail(responses_path)
@@ -195,7 +175,7 @@ def regenerate_responses(
                 break
             t0 = time.monotonic()
             seed_b = int(prompt_key([{"seed": str(seed), "first": keys[unique[batch[0]]]}]), 16) % 2**31
-            texts, lengths, ended = _generate(model, tokenizer, [ids[n] for n in batch], settings, seed_b)
+            texts, lengths, ended = generate_answers(model, tokenizer, [ids[n] for n in batch], settings, seed_b)
             for n, text, length, eos in zip(batch, texts, lengths, ended):
                 record = {"key": keys[unique[n]], "response": text, "new_tokens": length, "eos": eos}
                 done[record["key"]] = record
