@@ -61,14 +61,15 @@ def test_equality_check_catches_a_lossy_method(tmp_path):
 
     methods.append(Method("lossy", lossy))
     questions = [json.loads(line) for line in write_questions(tmp_path / "q.jsonl").read_text().splitlines()]
-    records, mismatches = run_bench(target, tokenizer, methods, questions, 8, 0, greedy=True)
+    records, mismatches, warmup = run_bench(target, tokenizer, methods, questions, 8, 0, greedy=True)
+    assert set(warmup) == {"generate", "lossy"}
     assert [m["position"] for m in mismatches["lossy"] if m["turn"] == 0] == [3, 3, 3, 3]
     assert all(m["top2_logit_gap"] > 0 for m in mismatches["lossy"] if m["turn"] == 0)
     table = summarize(records, True, mismatches)
     assert table["lossy"]["overall"]["identical"] is False and table["generate"]["overall"]["identical"] is True
 
 
-def test_bench_runs_a_confu_draft_in_each_mode_and_assisted_decoding(tmp_path):
+def test_bench_runs_a_confu_draft_in_each_mode_and_loop_and_assisted_decoding(tmp_path):
     target, tokenizer = tiny_target(), tiny_tokenizer()
     target.save_pretrained(tmp_path / "target")
     tokenizer.save_pretrained(tmp_path / "target")
@@ -78,11 +79,13 @@ def test_bench_runs_a_confu_draft_in_each_mode_and_assisted_decoding(tmp_path):
     summary = main(["--target", str(tmp_path / "target"), "--drafts", str(tmp_path / "confu"), "--questions",
                     str(write_questions(tmp_path / "q.jsonl", n=2)), "--max-new-tokens", "10", "--trees", "3,2,5",
                     "--prompt-lookup", "0", "--contemplate-nodes", "all,1,0", "--assistant-model",
-                    str(tmp_path / "small"), "--out", str(tmp_path / "bench")])
-    names = ["generate", "assisted", "confu:confu:d3k2n5", "confu-c1:confu:d3k2n5", "confu-off:confu:d3k2n5"]
+                    str(tmp_path / "small"), "--loops", "eager,static", "--out", str(tmp_path / "bench")])
+    names = ["generate", "assisted", "confu:confu:d3k2n5", "confu-c1:confu:d3k2n5", "confu-off:confu:d3k2n5",
+             "confu-static:confu:d3k2n5", "confu-c1-static:confu:d3k2n5", "confu-off-static:confu:d3k2n5"]
     assert list(summary["table"]) == names
     assert summary["mismatches"] == {}
     assert all(summary["table"][n]["overall"]["identical"] is True for n in names)
+    assert set(summary["warmup_seconds"]) == set(names)
 
 
 def test_packaged_spec_bench_questions_load_by_default():

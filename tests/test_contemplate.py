@@ -35,13 +35,15 @@ def plain(target, ids, **kw):
 
 @pytest.mark.parametrize("budget", BUDGETS, ids=lambda b: f"d{b['depth']}k{b['top_k']}n{b['total_tokens']}")
 @pytest.mark.parametrize("contemplate_nodes", [None, 1, 3])
-def test_greedy_identity_with_contemplate_tokens(arch, budget, contemplate_nodes):
+@pytest.mark.parametrize("cache_implementation", [None, "static"])
+def test_greedy_identity_with_contemplate_tokens(arch, budget, contemplate_nodes, cache_implementation):
     target = tiny_target(arch)
     assistant = confu_assistant(target, contemplate_nodes=contemplate_nodes, **budget)
     for seed in range(5):
         torch.manual_seed(seed)
         ids = torch.randint(0, 128, (1, 3 + 4 * seed))
-        out = target.generate(ids, max_new_tokens=30, do_sample=False, assistant_model=assistant)
+        out = target.generate(ids, max_new_tokens=30, do_sample=False, assistant_model=assistant,
+                              cache_implementation=cache_implementation)
         assert torch.equal(out, plain(target, ids, max_new_tokens=30)), f"seed {seed}"
         stats = assistant.stats
         if contemplate_nodes is None or contemplate_nodes >= budget["total_tokens"]:
@@ -74,14 +76,13 @@ def test_real_token_logits_unchanged_by_contemplate_tokens(arch):
     adapter = ContemplateAdapter.for_target(target, num_soft_tokens=5)
     layers = [1, 2, 3]
     prompt = torch.randint(0, 128, (1, 9))
-    tree = DraftTree(torch.tensor([3, 7, 9, 11, 2]), torch.tensor([0, 1, 1, 2, 2]), [-1, 0, 0, 1, 2],
-                     [[(7, 1), (9, 2)], [(11, 3)], [(2, 4)], [], []], {})
+    tree = DraftTree.from_parents([3, 7, 9, 11, 2], [-1, 0, 0, 1, 2])
     plain_pass, confu_pass = _Target(target, layers), _Target(target, layers, adapter)
     plain_pass.prefill(prompt)
     _, prompt_features = confu_pass.prefill(prompt)
-    logits, features, _ = plain_pass.tree(tree, 9, [], None)
+    logits, features, _ = plain_pass.tree(tree, 9, None, None)
     state = prompt_features[0, -1]
-    logits_c, features_c, con = confu_pass.tree(tree, 9, list(range(5)), state)
+    logits_c, features_c, con = confu_pass.tree(tree, 9, torch.arange(5), state)
     torch.testing.assert_close(logits_c, logits, rtol=0, atol=1e-5)
     torch.testing.assert_close(features_c, features, rtol=1e-5, atol=1e-5)
     assert con.shape == (5, 96)
@@ -89,7 +90,7 @@ def test_real_token_logits_unchanged_by_contemplate_tokens(arch):
         adapter.soft_prompt.mul_(2)
     other = _Target(target, layers, adapter)
     other.prefill(prompt)
-    assert not torch.allclose(other.tree(tree, 9, list(range(5)), state)[2], con)
+    assert not torch.allclose(other.tree(tree, 9, torch.arange(5), state)[2], con)
     # only the nodes named get a [con]; the cache keeps the soft prompt in front of the prompt and tree
     assert confu_pass.cache.get_seq_length() == 5 + 9 + 5 + 5
 
@@ -127,10 +128,10 @@ def test_future_entry_is_seen_for_one_round_then_replaced():
 def test_likely_ends():
     # root -> a (p .6) -> c (p .3); root -> b (p .3)
     scores = torch.tensor([0.0, 0.6, 0.3, 0.3]).log()
-    tree = DraftTree(torch.arange(4), torch.tensor([0, 1, 1, 2]), [-1, 0, 0, 1], [[], [], [], []], {}, scores)
+    tree = DraftTree.from_parents(torch.arange(4), [-1, 0, 0, 1], scores)
     # P(end): root 1 - .9 = .1, a .6 - .3 = .3, b .3, c .3
-    assert tree.likely_ends(3) == [1, 2, 3]
-    assert tree.likely_ends(10) == [0, 1, 2, 3]
+    assert tree.likely_ends(3).tolist() == [1, 2, 3]
+    assert tree.likely_ends(10).tolist() == [0, 1, 2, 3]
 
 
 @pytest.fixture(scope="module")
@@ -146,9 +147,11 @@ def sampling_setup():
     return target, assistant, prompt, exact_distribution(target, prompt)
 
 
-def test_sampling_with_contemplate_matches_exact_distribution(sampling_setup):
+@pytest.mark.parametrize("cache_implementation", [None, "static"])
+def test_sampling_with_contemplate_matches_exact_distribution(sampling_setup, cache_implementation):
     target, assistant, prompt, exact = sampling_setup
-    assert p_value(exact, sampled_counts(target, assistant, prompt)) > 1e-3
+    counts = sampled_counts(target, assistant, prompt, cache_implementation=cache_implementation)
+    assert p_value(exact, counts) > 1e-3
 
 
 def test_anchor_sampling_and_replication_window():

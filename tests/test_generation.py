@@ -8,13 +8,29 @@ from conftest import tiny_target, tiny_tokenizer
 from transformers import DynamicCache, GenerationConfig
 
 from transformers_confu import ConFuAssistant, ConFuDraftConfig
-from transformers_confu.cache import cache_kwargs, keep_path
+from transformers_confu.cache import (
+    cache_kwargs,
+    cache_length,
+    keep_path,
+    key_width,
+    static_cache,
+)
 from transformers_confu.generation import SpeculativeStats, speculative_generate
 from transformers_confu.oracle import OracleDrafter
 from transformers_confu.tree import additive_mask
 
 BUDGETS = [dict(depth=1, top_k=1, total_tokens=2), dict(depth=3, top_k=2, total_tokens=6),
            dict(depth=5, top_k=4, total_tokens=24)]
+
+
+@pytest.fixture(params=["eager", "static"])
+def mode(request):
+    """The loop's two modes: growing caches, or static caches with fixed shapes (`cache_implementation="static"`)."""
+    return request.param
+
+
+def mode_kwargs(mode: str) -> dict:
+    return {"cache_implementation": "static"} if mode == "static" else {}
 
 
 def make_assistant(target, draft_vocab_size=64, draft_init=None, **tree):
@@ -30,76 +46,79 @@ def plain(target, ids, **kw):
 
 
 @pytest.mark.parametrize("budget", BUDGETS, ids=lambda b: f"d{b['depth']}k{b['top_k']}n{b['total_tokens']}")
-def test_greedy_identity_random_draft(arch, budget):
+def test_greedy_identity_random_draft(arch, budget, mode):
     target = tiny_target(arch)
     assistant = make_assistant(target, **budget)
     for seed in range(6):
         torch.manual_seed(seed)
         ids = torch.randint(0, 128, (1, 3 + 4 * seed))
         ref = plain(target, ids, max_new_tokens=30)
-        out = target.generate(ids, max_new_tokens=30, do_sample=False, assistant_model=assistant)
+        out = target.generate(ids, max_new_tokens=30, do_sample=False, assistant_model=assistant, **mode_kwargs(mode))
         assert torch.equal(out, ref), f"seed {seed}"
+        assert assistant.stats.mode == mode
         assert assistant.stats.new_tokens == 30
         assert sum(assistant.stats.accept_lengths) == 29  # the first token comes from the prefill
 
 
-def oracle_generate(target, ids, reference, depth=4, total_tokens=10, **config_kw):
+def oracle_generate(target, ids, reference, depth=4, total_tokens=10, mode="eager", **config_kw):
     from transformers import GenerationConfig
 
     config = GenerationConfig(do_sample=False, **config_kw)
     stats = SpeculativeStats()
     drafter = OracleDrafter(reference, depth, total_tokens, target.config.vocab_size)
+    cache = static_cache(target.config.num_hidden_layers, 128) if mode == "static" else None
     out = speculative_generate(target, drafter, [1, 2, 3], ids, config, config_kw.get("max_new_tokens", 40),
-                               stats, tokenizer=config_kw.get("tokenizer"))
+                               stats, tokenizer=config_kw.get("tokenizer"), target_cache=cache)
     return out, stats
 
 
-def test_greedy_identity_oracle_draft(arch):
+def test_greedy_identity_oracle_draft(arch, mode):
     target = tiny_target(arch)
     for seed in range(5):
         torch.manual_seed(seed)
         ids = torch.randint(0, 128, (1, 5 + seed))
         ref = plain(target, ids, max_new_tokens=40)
-        out, stats = oracle_generate(target, ids, ref, depth=4, total_tokens=10, max_new_tokens=40)
+        out, stats = oracle_generate(target, ids, ref, depth=4, total_tokens=10, mode=mode, max_new_tokens=40)
         assert torch.equal(out, ref)
         assert stats.mean_accepted_tokens > 4.5  # full chains of 4 + bonus, except near the end
 
 
-def test_eos_inside_accepted_block():
+def test_eos_inside_accepted_block(mode):
     target = tiny_target()
     ids = torch.randint(0, 128, (1, 6), generator=torch.Generator().manual_seed(1))
     free = plain(target, ids, max_new_tokens=40)
     eos = int(free[0, ids.shape[1] + 13])  # a token in the middle of a 5-token accepted block
     ref = plain(target, ids, max_new_tokens=40, eos_token_id=eos)
-    out, stats = oracle_generate(target, ids, free, max_new_tokens=40, eos_token_id=eos)
+    out, stats = oracle_generate(target, ids, free, mode=mode, max_new_tokens=40, eos_token_id=eos)
     assert torch.equal(out, ref)
     assert out[0, -1] == eos and out.shape[1] < free.shape[1]
 
 
 @pytest.mark.parametrize("max_new", [1, 2, 13, 17])
-def test_max_new_tokens_mid_block(max_new):
+def test_max_new_tokens_mid_block(max_new, mode):
     target = tiny_target()
     ids = torch.randint(0, 128, (1, 6), generator=torch.Generator().manual_seed(2))
     ref = plain(target, ids, max_new_tokens=max_new)
-    out, stats = oracle_generate(target, ids, plain(target, ids, max_new_tokens=40), max_new_tokens=max_new)
+    out, stats = oracle_generate(target, ids, plain(target, ids, max_new_tokens=40), mode=mode, max_new_tokens=max_new)
     assert torch.equal(out, ref) and out.shape[1] == ids.shape[1] + max_new
 
 
-def test_stop_strings():
+def test_stop_strings(mode):
     target, tokenizer = tiny_target(), tiny_tokenizer()
     ids = torch.randint(0, 128, (1, 6), generator=torch.Generator().manual_seed(3))
     free = plain(target, ids, max_new_tokens=40)
     stop = tokenizer.decode(free[0, ids.shape[1] + 9 : ids.shape[1] + 11])
     ref = plain(target, ids, max_new_tokens=40, stop_strings=[stop], tokenizer=tokenizer)
     assert ref.shape[1] < free.shape[1]
-    out, _ = oracle_generate(target, ids, free, max_new_tokens=40, stop_strings=[stop], tokenizer=tokenizer)
+    out, _ = oracle_generate(target, ids, free, mode=mode, max_new_tokens=40, stop_strings=[stop], tokenizer=tokenizer)
     assert torch.equal(out, ref)
     assistant = make_assistant(target)
-    out = target.generate(ids, max_new_tokens=40, stop_strings=[stop], tokenizer=tokenizer, assistant_model=assistant)
+    out = target.generate(ids, max_new_tokens=40, stop_strings=[stop], tokenizer=tokenizer, assistant_model=assistant,
+                          **mode_kwargs(mode))
     assert torch.equal(out, ref)
 
 
-def test_streamer_receives_every_token():
+def test_streamer_receives_every_token(mode):
     target = tiny_target()
     assistant = make_assistant(target)
 
@@ -115,11 +134,15 @@ def test_streamer_receives_every_token():
 
     ids = torch.randint(0, 128, (1, 5), generator=torch.Generator().manual_seed(4))
     streamer = Collect()
-    out = target.generate(ids, max_new_tokens=20, do_sample=False, assistant_model=assistant, streamer=streamer)
+    out = target.generate(ids, max_new_tokens=20, do_sample=False, assistant_model=assistant, streamer=streamer,
+                          **mode_kwargs(mode))
     assert streamer.ended and torch.equal(torch.cat(streamer.chunks), out[0])
 
 
-def test_kv_compaction_matches_sequential_forward():
+@pytest.mark.parametrize("kind", ["dynamic", "static"])
+def test_kv_compaction_matches_sequential_forward(kind):
+    """A tree pass then `keep_path` (with a padded path, as the loop passes it) leaves the cache that
+    decoding the accepted path token by token would have built."""
     target = tiny_target()
     prefix = torch.randint(0, 128, (1, 7), generator=torch.Generator().manual_seed(5))
     tree_tokens = torch.tensor([[11, 12, 13, 14, 15, 16]])
@@ -129,18 +152,20 @@ def test_kv_compaction_matches_sequential_forward():
         anc[i] = anc[p] if p >= 0 else anc[i]
         anc[i, i] = True
     depths = anc.sum(1) - 1
-    cache = DynamicCache(config=target.config)
+    cache = DynamicCache(config=target.config) if kind == "dynamic" else static_cache(target.config.num_hidden_layers, 32)
     target(prefix, use_cache=True, **cache_kwargs(target, cache))
-    tree_out = target(tree_tokens, position_ids=(7 + depths)[None], attention_mask=additive_mask(anc, 7, torch.float32),
+    mask = additive_mask(anc, 7, torch.float32, key_width(cache, 13))
+    tree_out = target(tree_tokens, position_ids=(7 + depths)[None], attention_mask=mask,
                       use_cache=True, **cache_kwargs(target, cache))
     path = [0, 1, 3, 5]
-    keep_path(cache, 7, path)
+    keep_path(cache, 7, torch.tensor(path + [2, 4]), 4)
+    assert cache_length(cache) == 11
     seq_cache = DynamicCache(config=target.config)
     seq_out = target(torch.cat([prefix, tree_tokens[:, path]], 1), use_cache=True, **cache_kwargs(target, seq_cache))
     torch.testing.assert_close(tree_out.logits[0, path], seq_out.logits[0, 7:], atol=1e-5, rtol=1e-4)
     for a, b in zip(cache.layers, seq_cache.layers):
-        torch.testing.assert_close(a.keys, b.keys, atol=1e-5, rtol=1e-4)
-        torch.testing.assert_close(a.values, b.values, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(a.keys[..., :11, :], b.keys, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(a.values[..., :11, :], b.values, atol=1e-5, rtol=1e-4)
 
 
 def test_plain_generate_untouched_by_wrapping():
@@ -164,6 +189,7 @@ def test_plain_generate_untouched_by_wrapping():
         (dict(tree_total_tokens=0), "Tree budget"),
         (dict(tree_top_k=65), "exceeds the draft vocabulary"),
         (dict(return_dict_in_generate=True), "return_dict_in_generate"),
+        (dict(cache_implementation="offloaded"), "cache_implementation"),
     ],
 )
 def test_unsupported_inputs_raise_clear_errors(kwargs, match):
@@ -229,3 +255,34 @@ def test_assistant_save_and_load_roundtrip(tmp_path):
     stats_a = list(assistant.stats.accept_lengths)
     out_b = target.generate(ids, max_new_tokens=12, do_sample=False, assistant_model=loaded)
     assert torch.equal(out_a, out_b) and stats_a == loaded.stats.accept_lengths
+
+
+def test_static_mode_refuses_sliding_window_targets():
+    target = tiny_target("qwen2", use_sliding_window=True, sliding_window=8, max_window_layers=0)
+    assistant = make_assistant(target)
+    with pytest.raises(ValueError, match="full-attention"):
+        target.generate(torch.ones(1, 4, dtype=torch.long), max_new_tokens=5, assistant_model=assistant,
+                        cache_implementation="static")
+
+
+def test_compiled_static_mode_is_exact_without_graph_breaks_or_recompiles():
+    """`compile_config` compiles the tree pass and draft step (here with the `eager` backend, which runs the
+    captured graphs as they are: `fullgraph=True` fails on any graph break). Prompts of other lengths in the
+    same capacity bucket, and later calls, reuse the compiled graphs and the caches."""
+    from torch._dynamo.utils import counters
+    from transformers import CompileConfig
+
+    target = tiny_target()
+    assistant = make_assistant(target, depth=3, top_k=2, total_tokens=6)
+    config = CompileConfig(backend="eager", fullgraph=True, dynamic=False)
+    config._compile_all_devices = True
+    graphs = []
+    for seed, length in enumerate([5, 11, 23]):
+        ids = torch.randint(0, 128, (1, length), generator=torch.Generator().manual_seed(seed))
+        out = target.generate(ids, max_new_tokens=30, do_sample=False, assistant_model=assistant,
+                              cache_implementation="static", compile_config=config)
+        assert torch.equal(out, plain(target, ids, max_new_tokens=30)), f"prompt of {length}"
+        assert assistant.stats.mode == "static"
+        assert (assistant.stats.compile_seconds > 0) == (seed == 0)
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[0] > 0 and graphs[1] == graphs[0] == graphs[2]

@@ -35,12 +35,12 @@ def exact_distribution(target, prompt: torch.Tensor) -> dict[tuple[int, ...], fl
     return probs
 
 
-def sampled_counts(target, assistant, prompt: torch.Tensor) -> dict[tuple[int, ...], int]:
+def sampled_counts(target, assistant, prompt: torch.Tensor, **kwargs) -> dict[tuple[int, ...], int]:
     torch.manual_seed(0)
     counts: dict[tuple[int, ...], int] = {}
     for _ in range(SAMPLES):
         out = target.generate(prompt[None], max_new_tokens=NEW, do_sample=True, temperature=TEMPERATURE,
-                              top_k=TOP_K, assistant_model=assistant)
+                              top_k=TOP_K, assistant_model=assistant, **kwargs)
         key = tuple(out[0, prompt.numel():].tolist())
         counts[key] = counts.get(key, 0) + 1
     return counts
@@ -66,9 +66,10 @@ def setup():
     return target, assistant, prompt, exact_distribution(target, prompt)
 
 
-def test_sampling_matches_exact_target_distribution(setup):
+@pytest.mark.parametrize("cache_implementation", [None, "static"])
+def test_sampling_matches_exact_target_distribution(setup, cache_implementation):
     target, assistant, prompt, exact = setup
-    counts = sampled_counts(target, assistant, prompt)
+    counts = sampled_counts(target, assistant, prompt, cache_implementation=cache_implementation)
     assert p_value(exact, counts) > 1e-3
 
 
@@ -77,8 +78,9 @@ def test_a_wrong_acceptance_rule_is_detected(setup, monkeypatch):
     target, assistant, prompt, exact = setup
 
     def q_is_one(tree, target_probs, d2t):
-        for node, proposal in tree.proposals.items():
-            tree.proposals[node] = torch.zeros_like(proposal).index_fill_(0, proposal.argmax(), 1.0)
+        drafted = tree.proposals.sum(-1, keepdim=True) > 0
+        one_hot = torch.zeros_like(tree.proposals).scatter_(1, tree.proposals.argmax(-1, keepdim=True), 1.0)
+        tree.proposals = torch.where(drafted, one_hot, tree.proposals)
         return accept(tree, target_probs, d2t)
 
     accept = generation.accept_sampling

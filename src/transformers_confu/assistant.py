@@ -19,8 +19,9 @@ from typing import Any
 import torch
 from huggingface_hub.utils import HFValidationError, validate_repo_id
 from safetensors import SafetensorError
-from transformers import GenerationConfig, PreTrainedModel
+from transformers import CompileConfig, GenerationConfig, PreTrainedModel
 
+from .cache import static_cache, truncate_cache
 from .checkpoints import draft_problem
 from .configuration_confu import ConFuDraftConfig
 from .contemplate import ADAPTER_FOLDER, ContemplateAdapter
@@ -56,7 +57,7 @@ _UNSUPPORTED = {
     "output_attentions": (None, False),
     "output_hidden_states": (None, False),
 }
-_TREE_KWARGS = ("tree_depth", "tree_top_k", "tree_total_tokens")
+STATIC_BUCKET = 256  # static-mode cache capacities are multiples of this
 
 
 class ConFuAssistant:
@@ -196,11 +197,54 @@ class ConFuAssistant:
         max_new = _max_new_tokens(config, input_ids.shape[1], budget, target)
         self.stats = SpeculativeStats()
         temperature = (config.temperature or 1.0) if config.do_sample else None
-        drafter = TreeDrafter(self.draft, budget.depth, budget.top_k, budget.total_tokens, temperature)
-        return speculative_generate(
+        parts = {}
+        if config.cache_implementation == "static":
+            parts, self.stats.mode = self._static_parts(config, input_ids.shape[1] + max_new, budget), "static"
+        elif config.cache_implementation not in (None, "dynamic"):
+            raise ValueError(f"cache_implementation={config.cache_implementation!r} is not supported with a ConFu "
+                             "assistant: use 'static' (preallocated caches, compiled on CUDA) or leave it unset.")
+        drafter = TreeDrafter(self.draft, budget.depth, budget.top_k, budget.total_tokens, temperature,
+                              parts.get("draft_cache"), parts.get("draft_call"))
+        output = speculative_generate(
             target, drafter, self.draft.config.feature_layers, input_ids, config, max_new, self.stats,
-            tokenizer, streamer, self.adapter, contemplate_nodes,
+            tokenizer, streamer, self.adapter, contemplate_nodes, parts.get("target_cache"), parts.get("target_call"),
         )
+        if parts.get("fresh") and parts["target_call"] is not target:
+            self.stats.compile_seconds = self.stats.first_round_seconds
+        return output
+
+    def _static_parts(self, config: GenerationConfig, length: int, budget: TreeBudget) -> dict[str, Any]:
+        """Static mode: preallocated caches for target and draft, sized to `length` tokens plus the tree and
+        rounded up to a multiple of `STATIC_BUCKET` (so prompts of similar length share one compiled shape),
+        and the calls that run them: compiled where transformers' `generate` compiles a static cache (CUDA/XPU,
+        or `compile_config._compile_all_devices`; never with `disable_compile`), with its `compile_config`.
+        Kept on the assistant and reused by later calls of the same capacity and compile settings."""
+        layer_types = getattr(self.target.config, "layer_types", None) or []
+        if any(kind != "full_attention" for kind in layer_types):
+            raise ValueError("cache_implementation='static' with a ConFu assistant supports full-attention targets "
+                             f"only; this one has layer types {sorted(set(layer_types))}: leave cache_implementation unset.")
+        offset = 0 if self.adapter is None else self.adapter.num_soft_tokens
+        needed = offset + length + 2 * budget.total_tokens + budget.depth * (budget.top_k + 1) + 2
+        capacity = -(-needed // STATIC_BUCKET) * STATIC_BUCKET
+        compile_config = config.compile_config
+        compile = not config.disable_compile and (
+            self.target.device.type in ("cuda", "xpu") or bool(compile_config and compile_config._compile_all_devices))
+        options = (compile_config or CompileConfig()).to_dict() if compile else None
+        key = (capacity, repr(options))
+        parts = self.__dict__.get("_static")
+        if parts is not None and parts["key"] == key:
+            truncate_cache(parts["target_cache"], 0)
+            truncate_cache(parts["draft_cache"], 0)
+            return {**parts, "fresh": False}
+        parts = {
+            "key": key,
+            "target_cache": static_cache(self.target.config.num_hidden_layers, capacity),
+            "draft_cache": static_cache(1, capacity),
+            "target_call": torch.compile(self.target, **options) if compile else self.target,
+            "draft_call": torch.compile(self.draft, **options) if compile else self.draft,
+        }
+        self._static = parts
+        return {**parts, "fresh": True}
 
 
 def load_draft(path_or_id: str | os.PathLike, **kwargs: Any) -> ConFuDraftModel:

@@ -70,11 +70,13 @@ def auto_tree(model, tokenizer, path: str, questions: list[dict], candidates: li
 
 def build_methods(model, drafts: list[str], trees: list[tuple[int, int, int]], sampling: dict,
                   prompt_lookup: int | None, contemplate_nodes: list[int | None] = (None,),
-                  assistant_model=None, static_baseline: bool = False) -> list[Method]:
+                  assistant_model=None, static_baseline: bool = False, loops: tuple[str, ...] = ("eager",)
+                  ) -> list[Method]:
     """Plain generate (the reference), with `static_baseline` plain generate with a static cache (which transformers
     compiles on CUDA), prompt lookup, transformers' assisted decoding (with `assistant_model`),
-    then every draft x tree budget; a ConFu draft once per `contemplate_nodes` entry (None: a `[con]` on every
-    node, "confu"; m > 0: on the m likeliest path ends, "confu-c{m}"; 0: without its future token, "confu-off")."""
+    then every draft x tree budget x loop; a ConFu draft once per `contemplate_nodes` entry (None: a `[con]` on every
+    node, "confu"; m > 0: on the m likeliest path ends, "confu-c{m}"; 0: without its future token, "confu-off").
+    `loops`: "eager" and/or "static" (`cache_implementation="static"`, compiled on CUDA; named `<method>-static`)."""
     ones = torch.ones_like
 
     def plain(ids, n):
@@ -95,12 +97,15 @@ def build_methods(model, drafts: list[str], trees: list[tuple[int, int, int]], s
             assistant = ConFuAssistant.from_pretrained(path, target_model=model, depth=depth, top_k=top_k,
                                                        total_tokens=total)
             tree = f"{Path(path).name}:d{depth}k{top_k}n{total}"
-            if not assistant.draft.config.contemplate:
-                methods.append(Method(f"eagle3:{tree}", _speculative(model, assistant, sampling)))
-                continue
-            for nodes in contemplate_nodes:
-                mode = "confu" if nodes is None else "confu-off" if nodes == 0 else f"confu-c{nodes}"
-                methods.append(Method(f"{mode}:{tree}", _speculative(model, assistant, sampling, nodes)))
+            for loop in loops:
+                suffix, options = ("", {}) if loop == "eager" else ("-static", dict(cache_implementation="static"))
+                if not assistant.draft.config.contemplate:
+                    methods.append(Method(f"eagle3{suffix}:{tree}", _speculative(model, assistant, {**sampling, **options})))
+                    continue
+                for nodes in contemplate_nodes:
+                    mode = "confu" if nodes is None else "confu-off" if nodes == 0 else f"confu-c{nodes}"
+                    methods.append(Method(f"{mode}{suffix}:{tree}",
+                                          _speculative(model, assistant, {**sampling, **options}, nodes)))
     return methods
 
 
@@ -232,9 +237,17 @@ def plot(table: dict, records: dict, out: Path) -> None:
 
 def run_bench(model, tokenizer, methods: list[Method], questions: list[dict], max_new_tokens: int, seed: int,
               greedy: bool) -> tuple[dict[str, list[dict]], dict[str, list]]:
-    """Answer every question with every method (interleaved); check outputs against `generate` at T=0."""
+    """Answer every question with every method (interleaved); check outputs against `generate` at T=0.
+
+    Each method first answers the first question once, untimed (`warmup_seconds`: compiling, allocating)."""
     records: dict[str, list[dict]] = {m.name: [] for m in methods}
     mismatches: dict[str, list] = defaultdict(list)
+    warmup_ids = chat_input_ids(tokenizer, questions[0]["turns"][:1]).to(model.device)
+    warmup_seconds = {}
+    for method in methods:
+        start = time.perf_counter()
+        method.run(warmup_ids, max_new_tokens)
+        warmup_seconds[method.name] = time.perf_counter() - start
     for question in tqdm(questions, desc="questions"):
         rows = {m.name: answer(m, tokenizer, question, max_new_tokens, seed, model.device) for m in methods}
         reference = rows["generate"].pop("_ids")
@@ -247,7 +260,7 @@ def run_bench(model, tokenizer, methods: list[Method], questions: list[dict], ma
                         mismatches[name].append(dict(question_id=question["question_id"],
                                                      category=question["category"], turn=turn, **where))
             records[name].append(row)
-    return records, dict(mismatches)
+    return records, dict(mismatches), warmup_seconds
 
 
 def _budgets(text: str) -> list[tuple[int, int, int]]:
@@ -263,6 +276,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="the target's dtype (default: bfloat16 on CUDA, float32 on CPU)")
     p.add_argument("--static-baseline", action="store_true",
                    help="also run plain generate with cache_implementation='static' (compiled on CUDA)")
+    p.add_argument("--loops", default="eager", help="speculative loops to run, comma-separated: eager, static "
+                   "(cache_implementation='static': fixed shapes, compiled on CUDA)")
     p.add_argument("--drafts", nargs="*", default=[str(DEFAULT_DRAFT)], help="draft folders or Hub ids")
     p.add_argument("--questions", default=None,
                    help="Spec-Bench / MT-bench style question .jsonl (default: the packaged Spec-Bench dev half)")
@@ -315,9 +330,13 @@ def main(argv=None) -> dict:
         from transformers import AutoModelForCausalLM
 
         assistant_model = AutoModelForCausalLM.from_pretrained(args.assistant_model, dtype=model.dtype).to(model.device)
+    loops = tuple(x.strip() for x in args.loops.split(","))
+    if not set(loops) <= {"eager", "static"}:
+        raise SystemExit(f"--loops {args.loops!r}: choose among eager, static.")
     methods = build_methods(model, args.drafts, trees, sampling, args.prompt_lookup, nodes, assistant_model,
-                            args.static_baseline)
-    records, mismatches = run_bench(model, tokenizer, methods, questions, args.max_new_tokens, args.seed, greedy)
+                            args.static_baseline, loops)
+    records, mismatches, warmup = run_bench(model, tokenizer, methods, questions, args.max_new_tokens, args.seed,
+                                            greedy)
     table = summarize(records, greedy, mismatches)
     meta = dict(target=args.target, hardware=f"{platform.machine()} CPU, {torch.get_num_threads()} threads"
                 if model.device.type == "cpu" else torch.cuda.get_device_name(model.device), dtype=dtype,
@@ -332,7 +351,8 @@ def main(argv=None) -> dict:
         with (answers / f"{name.replace(':', '_')}.jsonl").open("w") as f:
             f.writelines(json.dumps(row) + "\n" for row in rows)
     quality = None if greedy else quality_check(records, questions)
-    summary = dict(meta=meta, table=table, mismatches=mismatches, auto_tree=calibration, quality=quality)
+    summary = dict(meta=meta, table=table, mismatches=mismatches, auto_tree=calibration, quality=quality,
+                   warmup_seconds=warmup)
     out.with_suffix(".json").write_text(json.dumps(summary, indent=2))
     text = markdown(table, meta) + (quality_markdown(quality) if quality else "")
     for name, cal in calibration.items():

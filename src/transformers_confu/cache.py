@@ -1,4 +1,5 @@
-"""Editing transformers' `DynamicCache` in place (truncate, keep an accepted path), and a cache that grows in place."""
+"""Key/value caches of the decoding loop: transformers' `DynamicCache` (eager mode) or preallocated static
+layers (static mode), with the two edits the loop needs on either: truncate, and keep an accepted path."""
 
 from __future__ import annotations
 
@@ -6,40 +7,70 @@ import inspect
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import Cache, DynamicLayer, StaticLayer
 
 
-def cache_kwargs(model: PreTrainedModel, cache: DynamicCache) -> dict:
+def cache_kwargs(model: PreTrainedModel, cache: Cache) -> dict:
     """`{name: cache}` for `model.forward`: transformers 5.24 renamed `past_key_values` to `cache`."""
     name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     return {name: cache}
 
 
-def cache_length(cache: DynamicCache) -> int:
+def cache_length(cache: Cache) -> int:
     """Number of cached positions."""
-    return cache.get_seq_length()
+    return int(cache.get_seq_length())
 
 
-def truncate_cache(cache: DynamicCache, length: int) -> None:
-    """Drop every position from `length` on (views, no copy)."""
+def is_static(cache: Cache) -> bool:
+    return bool(cache.layers) and isinstance(cache.layers[0], StaticLayer)
+
+
+def static_cache(num_layers: int, capacity: int) -> Cache:
+    """A cache of `num_layers` preallocated layers of `capacity` positions (allocated at the first write):
+    keys and values keep one address for the whole generation, as CUDA graphs need."""
+    if not hasattr(StaticLayer(1), "cumulative_length"):
+        raise RuntimeError("The static mode needs transformers' StaticLayer.cumulative_length (transformers >= 5.23).")
+    return Cache(layers=[StaticLayer(max_cache_len=capacity) for _ in range(num_layers)])
+
+
+def key_width(cache: Cache, needed: int) -> int:
+    """Width of the key axis an attention mask must have after writing up to `needed` positions: the
+    capacity of a static cache, else `needed`."""
+    if is_static(cache):
+        capacity = cache.layers[0].max_cache_len
+        if needed > capacity:
+            raise ValueError(f"The static cache holds {capacity} positions, {needed} are needed.")
+        return capacity
+    return needed
+
+
+def truncate_cache(cache: Cache, length: int) -> None:
+    """Drop every position from `length` on (no copy: views, or the static write position moved back)."""
     for layer in cache.layers:
-        layer.keys = layer.keys[..., :length, :]
-        layer.values = layer.values[..., :length, :]
+        if isinstance(layer, StaticLayer):
+            layer.cumulative_length.fill_(length)
+        else:
+            layer.keys = layer.keys[..., :length, :]
+            layer.values = layer.values[..., :length, :]
 
 
-def keep_path(cache: DynamicCache, start: int, path: list[int]) -> None:
-    """Keep positions `[0, start)` followed by `start + path` (sorted ascending), drop the rest.
+def keep_path(cache: Cache, start: int, path: torch.Tensor | list[int], length: int) -> None:
+    """Keep positions `[0, start)` followed by `start + path[:length]`, drop the rest.
 
-    Used after a tree verify pass: the tree's nodes sit at `start + i`; the accepted path's nodes are
-    moved down to `start, start + 1, ...` in place, then the tail is cut off.
+    After a tree verify pass the tree's nodes sit at `start + i`; the accepted path's nodes (ascending, a
+    fixed-size tensor whose entries past `length` are ignored) are moved down to `start, start + 1, ...` in
+    place, then the tail is cut off. The copy has a fixed shape, so it needs no host sync and no recompile.
     """
-    n = len(path)
-    if path != list(range(n)):
-        index = torch.tensor(path, device=cache.layers[0].keys.device) + start
-        for layer in cache.layers:
-            layer.keys[..., start : start + n, :] = layer.keys[..., index, :]
-            layer.values[..., start : start + n, :] = layer.values[..., index, :]
-    truncate_cache(cache, start + n)
+    if not torch.is_tensor(path):
+        path = torch.tensor(path)
+    layer0 = cache.layers[0]
+    width = min(path.numel(), (layer0.max_cache_len if isinstance(layer0, StaticLayer) else layer0.keys.shape[-2]) - start)
+    source = path[:width].to(layer0.keys.device) + start
+    target = torch.arange(start, start + width, device=source.device)
+    for layer in cache.layers:
+        layer.keys.index_copy_(-2, target, layer.keys.index_select(-2, source))
+        layer.values.index_copy_(-2, target, layer.values.index_select(-2, source))
+    truncate_cache(cache, start + length)
 
 
 class GrowingLayer(DynamicLayer):

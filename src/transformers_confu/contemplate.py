@@ -136,9 +136,10 @@ class ContemplateAdapter(nn.Module, PyTorchModelHubMixin):
                 self._constant = (key, self.soft_kv(target))
         return self._constant[1]
 
-    def prefilled_cache(self, target: PreTrainedModel) -> DynamicCache:
-        """A `DynamicCache` holding the soft prompt's keys and values (copies of the constant)."""
-        cache = DynamicCache(config=target.config)
+    def prefilled_cache(self, target: PreTrainedModel, cache=None):
+        """`cache` (default a new `DynamicCache`; empty) holding the soft prompt's keys and values (copies of
+        the constant)."""
+        cache = DynamicCache(config=target.config) if cache is None else cache
         for index, (keys, values) in enumerate(self.constant_soft_kv(target)):
             cache.update(keys.clone(), values.clone(), index)
         return cache

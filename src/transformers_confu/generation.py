@@ -24,9 +24,9 @@ from transformers.generation.stopping_criteria import (
     StopStringCriteria,
 )
 
-from .cache import cache_kwargs, keep_path
+from .cache import cache_kwargs, keep_path, key_width
 from .contemplate import ContemplateAdapter, soft_prompt_mask
-from .tree import DraftTree, TreeDrafter, additive_mask
+from .tree import DraftTree, TreeDrafter, additive_mask, pad_keys
 from .verify import accept_greedy, accept_sampling
 
 
@@ -42,8 +42,14 @@ class TreeBudget:
 @dataclass
 class SpeculativeStats:
     """What one `generate` call did. `mean_accepted_tokens` (tau) counts the bonus token; `fresh_futures`
-    (ConFu) counts the rounds whose last accepted node had a `[con]` (so f was renewed)."""
+    (ConFu) counts the rounds whose last accepted node had a `[con]` (so f was renewed). `mode` is the loop
+    that ran: `"eager"` (growing caches) or `"static"` (preallocated caches, fixed shapes, compiled where
+    the generation config says so); `compile_seconds` is the part of `total_seconds` spent compiling
+    (the first call of a shape), `draft_seconds`/`verify_seconds` are host-side times (asynchronous on a GPU)."""
 
+    mode: str = "eager"
+    compile_seconds: float = 0.0
+    first_round_seconds: float = 0.0
     new_tokens: int = 0
     target_forwards: int = 0
     accept_lengths: list[int] = field(default_factory=list)
@@ -94,60 +100,65 @@ def stopping_criteria(config: GenerationConfig, max_length: int, tokenizer=None)
 class _Target:
     """The frozen target's forward passes: next-token logits and fused draft features.
 
+    `cache`: an empty `DynamicCache` (default) or static cache; `call`: what runs the fixed-shape tree
+    passes (the model, or its compiled call); the prompt pass always runs the model itself.
     With a `ContemplateAdapter` (ConFu) the cache starts with the soft prompt's constant keys and values
     (`offset` positions, hidden from real tokens) and each tree pass carries `[con]` tokens.
     """
 
     def __init__(self, model: PreTrainedModel, feature_layers: list[int],
-                 adapter: ContemplateAdapter | None = None) -> None:
+                 adapter: ContemplateAdapter | None = None, cache=None, call=None) -> None:
         self.model, self.layers, self.adapter = model, feature_layers, adapter
-        self.cache = DynamicCache(config=model.config) if adapter is None else adapter.prefilled_cache(model)
+        cache = DynamicCache(config=model.config) if cache is None else cache
+        self.cache = cache if adapter is None else adapter.prefilled_cache(model, cache)
         self.offset = 0 if adapter is None else adapter.num_soft_tokens
+        self.call = model if call is None else call
         self.kwargs = cache_kwargs(model, self.cache)
         self.keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
 
-    def _forward(self, keep, **inputs) -> tuple[torch.Tensor, torch.Tensor]:
+    def _forward(self, call, keep, **inputs) -> tuple[torch.Tensor, torch.Tensor]:
         kwargs = {**self.kwargs, "logits_to_keep": keep} if self.keeps_logits else self.kwargs
-        out = self.model(**inputs, use_cache=True, output_hidden_states=True, **kwargs)
+        out = call(**inputs, use_cache=True, output_hidden_states=True, **kwargs)
         logits = out.logits[0]
         if not self.keeps_logits:
             logits = logits[keep] if torch.is_tensor(keep) else logits[-keep:]
         return logits, torch.cat([out.hidden_states[i] for i in self.layers], dim=-1)
 
+    def _width(self, needed: int) -> int:
+        return key_width(self.cache, self.offset + needed)
+
     def prefill(self, ids: torch.LongTensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The prompt pass: the last position's logits (all `generate` needs) and all features."""
         if self.adapter is None:
-            return self._forward(1, input_ids=ids)
-        n = ids.shape[1]
-        causal = torch.ones(n, n, dtype=torch.bool, device=ids.device).tril()
+            return self._forward(self.model, 1, input_ids=ids)
+        n, device = ids.shape[1], ids.device
+        causal = torch.ones(n, n, dtype=torch.bool, device=device).tril()
         mask = soft_prompt_mask(causal, self.offset, causal.new_zeros(n), self.model.dtype)
-        return self._forward(1, input_ids=ids, position_ids=torch.arange(n, device=ids.device)[None],
-                             attention_mask=mask)
+        return self._forward(self.model, 1, input_ids=ids, position_ids=torch.arange(n, device=device)[None],
+                             attention_mask=pad_keys(mask, self._width(n)))
 
-    def tree(self, tree: DraftTree, length: int, cons: list[int], state: torch.Tensor | None
+    def tree(self, tree: DraftTree, length: int, cons: torch.Tensor | None, state: torch.Tensor | None
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Verify `tree` (root at position `length`) in one pass: (N, V) logits and (1, N, 3H) features at
-        the nodes, and (M, 3H) features at the `[con]` tokens of nodes `cons` (routed by `state`, the fused
-        features of the last accepted token)."""
-        ancestry = tree.ancestry().to(tree.tokens.device)
-        positions = length + tree.depths
+        the nodes, and (M, 3H) features at the `[con]` tokens of nodes `cons` (M,) (routed by `state`, the
+        fused features of the last accepted token)."""
+        ancestry, positions, n = tree.ancestry, length + tree.depths, len(tree)
         if self.adapter is None:
-            mask = additive_mask(ancestry, length, self.model.dtype)
-            logits, features = self._forward(len(tree), input_ids=tree.tokens[None], position_ids=positions[None],
+            mask = additive_mask(ancestry, length, self.model.dtype, self._width(length + n))
+            logits, features = self._forward(self.call, n, input_ids=tree.tokens[None], position_ids=positions[None],
                                              attention_mask=mask)
             return logits, features, None
-        n, m, device = len(tree), len(cons), tree.tokens.device
-        index = torch.tensor(cons, dtype=torch.long, device=device)
+        m, device = cons.numel(), tree.tokens.device
         node_rows = torch.cat([ancestry, ancestry.new_zeros(n, m)], dim=1)
-        con_rows = torch.cat([ancestry[index], torch.eye(m, dtype=torch.bool, device=device)], dim=1)
+        con_rows = torch.cat([ancestry[cons], torch.eye(m, dtype=torch.bool, device=device)], dim=1)
         visible = torch.cat([node_rows, con_rows])
         visible = torch.cat([visible.new_ones(n + m, length), visible], dim=1)
         mask = soft_prompt_mask(visible, self.offset, torch.arange(n + m, device=device) >= n, self.model.dtype)
         con = self.adapter.con_embedding(state).to(self.model.dtype).expand(m, -1)
         embeds = torch.cat([self.model.get_input_embeddings()(tree.tokens), con])[None]
-        positions = torch.cat([positions, positions[index] + 1])[None]
-        logits, features = self._forward(torch.arange(n, device=device), inputs_embeds=embeds,
-                                         position_ids=positions, attention_mask=mask)
+        positions = torch.cat([positions, positions[cons] + 1])[None]
+        logits, features = self._forward(self.call, torch.arange(n, device=device), inputs_embeds=embeds,
+                                         position_ids=positions, attention_mask=pad_keys(mask, self._width(length + n + m)))
         return logits, features[:, :n], features[0, n:]
 
 
@@ -170,10 +181,10 @@ def _probs(logits: torch.Tensor, warpers: LogitsProcessorList) -> torch.Tensor:
     return torch.softmax(warpers(None, logits.float()), -1)
 
 
-def _select_token(logits: torch.Tensor, warpers: LogitsProcessorList | None) -> int:
+def _select_token(logits: torch.Tensor, warpers: LogitsProcessorList | None) -> torch.Tensor:
     if warpers is None:
-        return int(logits.argmax())
-    return int(torch.multinomial(_probs(logits[None], warpers)[0], 1))
+        return logits.argmax()
+    return torch.multinomial(_probs(logits[None], warpers)[0], 1)[0]
 
 
 @torch.no_grad()
@@ -189,8 +200,14 @@ def speculative_generate(
     streamer=None,
     adapter: ContemplateAdapter | None = None,
     contemplate_nodes: int | None = None,
+    target_cache=None,
+    target_call=None,
 ) -> torch.LongTensor:
     """Generate up to `max_new_tokens` after `input_ids` (1, T); returns (1, T + new).
+
+    One host sync per round: the accepted tokens are read once; the tree, the acceptance and the cache
+    edits stay on the device with fixed shapes. `target_cache`/`target_call` (static mode): a static cache
+    and the (compiled) call for the tree passes; the drafter holds its own.
 
     With `adapter` (ConFu) every verify pass also carries `[con]` tokens (on all nodes, or on the
     `contemplate_nodes` likeliest ends of the accepted path); the future vector read at the last accepted
@@ -200,44 +217,54 @@ def speculative_generate(
     prompt_len = input_ids.shape[1]
     criteria = stopping_criteria(config, prompt_len + max_new_tokens, tokenizer)
     warpers = logits_warpers(config) if config.do_sample else None
-    verify = _Target(target, feature_layers, adapter)
+    verify = _Target(target, feature_layers, adapter, target_cache, target_call)
+    compiled = target_call is not None and target_call is not target
     if streamer is not None:
         streamer.put(input_ids.cpu())
 
     t0 = time.perf_counter()
     logits, features = verify.prefill(input_ids)
     stats.verify_seconds += time.perf_counter() - t0
-    token = _select_token(logits[-1], warpers)
-    output, stopped = _append(input_ids, [token], criteria, streamer)
-    next_ids, feats, length = output[:, 1:], features, prompt_len
+    root = _select_token(logits[-1], warpers)
+    output, stopped = _append(input_ids, [int(root)], criteria, streamer)
+    next_ids, feats, state, length, count = output[:, 1:], features, features[0, -1], prompt_len, None
     future = None
     while not stopped:
+        if compiled:
+            torch.compiler.cudagraph_mark_step_begin()
         # Draft: catch up on the newly accepted tokens, then draft a tree under the last one.
         t0 = time.perf_counter()
-        drafter.catch_up(next_ids, feats, length, future)
-        tree = drafter.propose(token, length)
-        ends = len(tree) if contemplate_nodes is None else contemplate_nodes
-        cons = [] if adapter is None else tree.likely_ends(ends)
+        drafter.catch_up(next_ids, feats, length, future, count)
+        tree = drafter.propose(root, length)
+        ends = len(tree) if contemplate_nodes is None else min(contemplate_nodes, len(tree))
+        cons = None if adapter is None else tree.likely_ends(ends)
         t1 = time.perf_counter()
         # Verify the whole tree in one target pass, accept a path, keep only its keys and values.
-        logits, features, con_features = verify.tree(tree, length, cons, feats[0, -1])
+        logits, features, con_features = verify.tree(tree, length, cons, state)
         t2 = time.perf_counter()
         if warpers is None:
-            path, token = accept_greedy(tree, logits)
+            path, size, root = accept_greedy(tree, logits)
         else:
-            path, token = accept_sampling(tree, _probs(logits, warpers), drafter.d2t)
-        keep_path(verify.cache, verify.offset + length, path)
-        if path[-1] in cons:
-            future = (con_features[cons.index(path[-1])], length + len(path) - 1)
+            path, size, root = accept_sampling(tree, _probs(logits, warpers), drafter.d2t)
+        last = path.gather(0, (size - 1)[None])
+        next_ids = torch.cat([tree.tokens[path[1:]], root[None]]).scatter(0, size[None] - 1, root[None])[None]
+        con_hit = torch.zeros_like(last) if cons is None else (cons == last).any()[None].long()
+        read = torch.cat([size[None], con_hit, next_ids[0]]).tolist()  # the round's one host sync
+        n, fresh, accepted = read[0], read[1], read[2 : 2 + read[0]]
+        keep_path(verify.cache, verify.offset + length, path, n)
+        if fresh:
+            future = (con_features[(cons == last).int().argmax()], length + n - 1)
             stats.fresh_futures += 1
-        accepted = tree.tokens[path[1:]].tolist() + [token]
+        if not stats.target_forwards:
+            stats.first_round_seconds = time.perf_counter() - t0
         stats.draft_seconds += t1 - t0
         stats.verify_seconds += t2 - t1
         stats.target_forwards += 1
-        stats.accept_lengths.append(len(accepted))
+        stats.accept_lengths.append(n)
         output, stopped = _append(output, accepted, criteria, streamer)
-        next_ids, feats = output[:, -len(path):], features[:, path]
-        length += len(path)
+        feats, count = features[:, path], n
+        state = feats[0, n - 1]
+        length += n
     if streamer is not None:
         streamer.end()
     stats.new_tokens = output.shape[1] - prompt_len

@@ -20,12 +20,13 @@ class OracleDrafter:
         self.depth, self.total_tokens, self.vocab_size = depth, total_tokens, vocab_size
         self.d2t = torch.arange(vocab_size)
 
-    def catch_up(self, next_ids: torch.LongTensor, features: torch.Tensor, length: int, future=None) -> None:
+    def catch_up(self, next_ids: torch.LongTensor, features: torch.Tensor, length: int, future=None,
+                 count: int | None = None) -> None:
         """Nothing to do: the oracle needs no state."""
 
-    def propose(self, root: int, root_position: int) -> DraftTree:
+    def propose(self, root: torch.Tensor | int, root_position: int) -> DraftTree:
         chain = self.reference[root_position + 1 : root_position + 1 + self.depth]
-        tokens, parents = [root], [-1]
+        tokens, parents = [int(root)], [-1]
         for token in chain[: self.total_tokens - 1]:
             parents.append(len(tokens) - 1)
             tokens.append(token)
@@ -35,9 +36,4 @@ class OracleDrafter:
             parents.append(parent)
             tokens.append((tokens[min(parent + 1, len(chain))] + 1 + level) % self.vocab_size)
             level += 1
-        children: list[list[tuple[int, int]]] = [[] for _ in tokens]
-        depths = [0] * len(tokens)
-        for node, parent in enumerate(parents[1:], start=1):
-            children[parent].append((tokens[node], node))
-            depths[node] = depths[parent] + 1
-        return DraftTree(torch.tensor(tokens), torch.tensor(depths), parents, children, proposals={})
+        return DraftTree.from_parents(tokens, parents)

@@ -1,7 +1,9 @@
-"""Lossless acceptance of a verified draft tree.
+"""Lossless acceptance of a verified draft tree, on the device.
 
-Both rules walk down from the root and return the accepted path (node indices, root first) and the
-next token, drawn from the target: the "bonus" token that ends the round.
+Both rules walk down from the root and return the accepted path, its length and the next token, drawn
+from the target: the "bonus" token that ends the round. The path is a fixed-size tensor of
+`tree.path_size` node indices (root first; entries past the length are meaningless) and the length and
+token are 0-d tensors, so a round needs no host sync until the loop reads what was accepted.
 """
 
 from __future__ import annotations
@@ -11,19 +13,26 @@ import torch
 from .tree import DraftTree
 
 
-def accept_greedy(tree: DraftTree, target_logits: torch.Tensor) -> tuple[list[int], int]:
-    """Follow the target's argmax through the tree. `target_logits`: (N, V) at the tree's nodes."""
-    best = target_logits.argmax(dim=-1).tolist()
-    path = [0]
-    while True:
-        token = best[path[-1]]
-        node = next((i for t, i in tree.children[path[-1]] if t == token and i >= 0), -1)
-        if node < 0:
-            return path, token
-        path.append(node)
+def path_to(tree: DraftTree, node: torch.Tensor) -> torch.Tensor:
+    """The (path_size,) nodes from the root down to `node` (ascending), padded with other nodes."""
+    off_path = (~tree.ancestry[node]).to(torch.uint8)
+    return torch.sort(off_path, stable=True).indices[: tree.path_size]
 
 
-def accept_sampling(tree: DraftTree, target_probs: torch.Tensor, d2t: torch.Tensor) -> tuple[list[int], int]:
+def accept_greedy(tree: DraftTree, target_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Follow the target's argmax through the tree. `target_logits`: (N, V) at the tree's nodes.
+
+    A node is accepted when it and each of its ancestors is the target's argmax after its parent; the
+    deepest accepted node ends the path (drafted siblings are distinct tokens, so it is one path)."""
+    best = target_logits.argmax(dim=-1)
+    matched = (tree.tokens == best[tree.parents]) | (tree.depths == 0)
+    accepted = ~(tree.ancestry & ~matched).any(dim=-1)
+    last = (tree.depths * accepted).argmax()
+    return path_to(tree, last), tree.depths[last] + 1, best[last]
+
+
+def accept_sampling(tree: DraftTree, target_probs: torch.Tensor, d2t: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Multi-draft recursive rejection sampling (children drawn without replacement).
 
     At a node with target distribution p, the children x_1, x_2, ... were drawn in order from the
@@ -33,34 +42,43 @@ def accept_sampling(tree: DraftTree, target_probs: torch.Tensor, d2t: torch.Tens
     leaving a node is distributed exactly as p. A pruned child (not verified) that is accepted still is
     an exact draw from p: it becomes the round's last token.
 
+    The walk has a fixed number of steps (depth x children) of masked tensor operations: a finished walk
+    keeps its state.
+
     Args:
-        tree: the drafted tree.
+        tree: the drafted tree (with `proposals`).
         target_probs: (N, V) the target's processed next-token probabilities at the tree's nodes.
         d2t: (D,) draft-to-target id map (the proposals are over the draft vocabulary).
     """
-    path = [0]
-    while True:
-        node = path[-1]
+    device = target_probs.device
+    node = torch.zeros((), dtype=torch.long, device=device)
+    walking = torch.ones((), dtype=torch.bool, device=device)
+    token = torch.zeros((), dtype=torch.long, device=device)
+    for _ in range(tree.path_size):
         p = target_probs[node].float()
-        children = tree.children[node]
-        token, child = -1, -1
-        if children:
-            q = torch.zeros_like(p)
-            q[d2t] = tree.proposals[node].float()
-            for candidate, index in children:
-                if torch.rand(()) * q[candidate] < p[candidate]:
-                    token, child = candidate, index
-                    break
-                p = _normalize((p - q).clamp_min_(0), fallback=p)
-                q[candidate] = 0
-                q = _normalize(q, fallback=q)
-        if token < 0:
-            token = int(torch.multinomial(p, 1))
-        if child < 0:
-            return path, token
-        path.append(child)
+        q = torch.zeros_like(p).index_copy_(0, d2t, tree.proposals[node].float())
+        found = torch.zeros((), dtype=torch.bool, device=device)
+        child = torch.full((), -1, dtype=torch.long, device=device)
+        for k in range(tree.child_tokens.shape[1]):
+            candidate = tree.child_tokens[node, k]
+            tried = ~found & (candidate >= 0)
+            x = candidate.clamp_min(0)
+            accept = tried & (torch.rand((), device=device) * q[x] < p[x])
+            token = torch.where(walking & accept, x, token)
+            child = torch.where(accept, tree.child_nodes[node, k], child)
+            rejected = tried & ~accept
+            residual = _normalize((p - q).clamp_min(0), fallback=p)
+            q_next = _normalize(q.index_fill(0, x[None], 0), fallback=q)
+            p, q = torch.where(rejected, residual, p), torch.where(rejected, q_next, q)
+            found = found | accept
+        drawn = torch.multinomial(p, 1)[0]
+        token = torch.where(walking & ~found, drawn, token)
+        go_on = walking & (child >= 0)
+        node = torch.where(go_on, child, node)
+        walking = go_on
+    return path_to(tree, node), tree.depths[node] + 1, token
 
 
 def _normalize(x: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
     total = x.sum()
-    return x / total if total > 0 else fallback
+    return torch.where(total > 0, x / total.clamp_min(torch.finfo(x.dtype).tiny), fallback)
