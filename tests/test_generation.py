@@ -15,7 +15,11 @@ from transformers_confu.cache import (
     key_width,
     static_cache,
 )
-from transformers_confu.generation import SpeculativeStats, speculative_generate
+from transformers_confu.generation import (
+    SpeculativeStats,
+    StaticTarget,
+    speculative_generate,
+)
 from transformers_confu.oracle import OracleDrafter
 from transformers_confu.tree import additive_mask
 
@@ -66,12 +70,17 @@ def oracle_generate(target, ids, reference, depth=4, total_tokens=10, mode="eage
     config = GenerationConfig(do_sample=False, **config_kw)
     stats = SpeculativeStats()
     drafter = OracleDrafter(reference, depth, total_tokens, target.config.vocab_size)
-    cache = static_cache(target.config.num_hidden_layers, 128) if mode == "static" else None
+    static = None
+    if mode != "eager":
+        static = StaticTarget(static_cache(target.config.num_hidden_layers, 128), target)
+    if mode == "compiled":  # the eager backend runs the captured graphs; fullgraph fails on a graph break
+        static.call, static.keep = (torch.compile(f, backend="eager", fullgraph=True) for f in (target, keep_path))
     out = speculative_generate(target, drafter, [1, 2, 3], ids, config, config_kw.get("max_new_tokens", 40),
-                               stats, tokenizer=config_kw.get("tokenizer"), target_cache=cache)
+                               stats, tokenizer=config_kw.get("tokenizer"), static=static)
     return out, stats
 
 
+@pytest.mark.parametrize("mode", ["eager", "static", "compiled"])
 def test_greedy_identity_oracle_draft(arch, mode):
     target = tiny_target(arch)
     for seed in range(5):

@@ -21,12 +21,12 @@ from huggingface_hub.utils import HFValidationError, validate_repo_id
 from safetensors import SafetensorError
 from transformers import CompileConfig, GenerationConfig, PreTrainedModel
 
-from .cache import static_cache, truncate_cache
+from .cache import keep_path, static_cache, truncate_cache
 from .checkpoints import draft_problem
 from .configuration_confu import ConFuDraftConfig
 from .contemplate import ADAPTER_FOLDER, ContemplateAdapter
 from .eagle3_format import is_eagle3_config, load_eagle3, read_config, save_eagle3
-from .generation import SpeculativeStats, TreeBudget, speculative_generate
+from .generation import SpeculativeStats, StaticTarget, TreeBudget, speculative_generate
 from .modeling_confu import ConFuDraftModel
 from .tree import TreeDrafter
 
@@ -207,9 +207,9 @@ class ConFuAssistant:
                               parts.get("draft_cache"), parts.get("draft_call"))
         output = speculative_generate(
             target, drafter, self.draft.config.feature_layers, input_ids, config, max_new, self.stats,
-            tokenizer, streamer, self.adapter, contemplate_nodes, parts.get("target_cache"), parts.get("target_call"),
+            tokenizer, streamer, self.adapter, contemplate_nodes, parts.get("target"),
         )
-        if parts.get("fresh") and parts["target_call"] is not target:
+        if parts.get("fresh") and parts["target"].keep is not None:
             self.stats.compile_seconds = self.stats.first_round_seconds
         return output
 
@@ -233,14 +233,15 @@ class ConFuAssistant:
         key = (capacity, repr(options))
         parts = self.__dict__.get("_static")
         if parts is not None and parts["key"] == key:
-            truncate_cache(parts["target_cache"], 0)
+            truncate_cache(parts["target"].cache, 0)
             truncate_cache(parts["draft_cache"], 0)
             return {**parts, "fresh": False}
+        cache = static_cache(self.target.config.num_hidden_layers, capacity)
         parts = {
             "key": key,
-            "target_cache": static_cache(self.target.config.num_hidden_layers, capacity),
+            "target": StaticTarget(cache, torch.compile(self.target, **options), torch.compile(keep_path, **options))
+            if compile else StaticTarget(cache, self.target),
             "draft_cache": static_cache(1, capacity),
-            "target_call": torch.compile(self.target, **options) if compile else self.target,
             "draft_call": torch.compile(self.draft, **options) if compile else self.draft,
         }
         self._static = parts

@@ -44,7 +44,7 @@ def key_width(cache: Cache, needed: int) -> int:
     return needed
 
 
-def truncate_cache(cache: Cache, length: int) -> None:
+def truncate_cache(cache: Cache, length: int | torch.Tensor) -> None:
     """Drop every position from `length` on (no copy: views, or the static write position moved back)."""
     for layer in cache.layers:
         if isinstance(layer, StaticLayer):
@@ -54,19 +54,18 @@ def truncate_cache(cache: Cache, length: int) -> None:
             layer.values = layer.values[..., :length, :]
 
 
-def keep_path(cache: Cache, start: int, path: torch.Tensor | list[int], length: int) -> None:
+def keep_path(cache: Cache, start: int | torch.Tensor, path: torch.Tensor, length: int | torch.Tensor) -> None:
     """Keep positions `[0, start)` followed by `start + path[:length]`, drop the rest.
 
     After a tree verify pass the tree's nodes sit at `start + i`; the accepted path's nodes (ascending, a
     fixed-size tensor whose entries past `length` are ignored) are moved down to `start, start + 1, ...` in
-    place, then the tail is cut off. The copy has a fixed shape, so it needs no host sync and no recompile.
+    place, then the tail is cut off. The copy has a fixed shape; on a static cache `start` and `length` may be
+    0-d device tensors, so that it needs no host sync and compiles once (`compiled_keep_path`).
     """
-    if not torch.is_tensor(path):
-        path = torch.tensor(path)
     layer0 = cache.layers[0]
-    width = min(path.numel(), (layer0.max_cache_len if isinstance(layer0, StaticLayer) else layer0.keys.shape[-2]) - start)
-    source = path[:width].to(layer0.keys.device) + start
-    target = torch.arange(start, start + width, device=source.device)
+    width = path.numel() if isinstance(layer0, StaticLayer) else min(path.numel(), layer0.keys.shape[-2] - start)
+    source = path[:width] + start
+    target = torch.arange(width, device=path.device) + start
     for layer in cache.layers:
         layer.keys.index_copy_(-2, target, layer.keys.index_select(-2, source))
         layer.values.index_copy_(-2, target, layer.values.index_select(-2, source))

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import inspect
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import torch
 from transformers import (
+    Cache,
     DynamicCache,
     GenerationConfig,
     LogitsProcessorList,
@@ -97,22 +99,35 @@ def stopping_criteria(config: GenerationConfig, max_length: int, tokenizer=None)
     return criteria
 
 
+@dataclass
+class StaticTarget:
+    """What the static mode runs the target with: an empty static `cache`, the `call` that runs the
+    fixed-shape tree passes (the model or its compiled call) and, compiled, `keep` (`keep_path` taking
+    device scalars), or None to run `keep_path` as it is."""
+
+    cache: Cache
+    call: Callable
+    keep: Callable | None = None
+
+
 class _Target:
     """The frozen target's forward passes: next-token logits and fused draft features.
 
-    `cache`: an empty `DynamicCache` (default) or static cache; `call`: what runs the fixed-shape tree
-    passes (the model, or its compiled call); the prompt pass always runs the model itself.
+    `static`: the static mode's cache and calls (default: a `DynamicCache` and the model); the prompt pass
+    always runs the model itself.
     With a `ContemplateAdapter` (ConFu) the cache starts with the soft prompt's constant keys and values
     (`offset` positions, hidden from real tokens) and each tree pass carries `[con]` tokens.
     """
 
     def __init__(self, model: PreTrainedModel, feature_layers: list[int],
-                 adapter: ContemplateAdapter | None = None, cache=None, call=None) -> None:
+                 adapter: ContemplateAdapter | None = None, static: StaticTarget | None = None) -> None:
         self.model, self.layers, self.adapter = model, feature_layers, adapter
-        cache = DynamicCache(config=model.config) if cache is None else cache
+        cache = DynamicCache(config=model.config) if static is None else static.cache
         self.cache = cache if adapter is None else adapter.prefilled_cache(model, cache)
         self.offset = 0 if adapter is None else adapter.num_soft_tokens
-        self.call = model if call is None else call
+        self.call = model if static is None else static.call
+        self.keep_call = None if static is None else static.keep
+        self.position: torch.Tensor | None = None  # cached real positions, on the device (compiled keep)
         self.kwargs = cache_kwargs(model, self.cache)
         self.keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
 
@@ -136,6 +151,17 @@ class _Target:
         mask = soft_prompt_mask(causal, self.offset, causal.new_zeros(n), self.model.dtype)
         return self._forward(self.model, 1, input_ids=ids, position_ids=torch.arange(n, device=device)[None],
                              attention_mask=pad_keys(mask, self._width(n)))
+
+    def keep(self, path: torch.Tensor, size: torch.Tensor, length: int, n: int) -> None:
+        """Compact the cache to the accepted `path` of `n` nodes (`size` on the device) after a tree pass at
+        `length`."""
+        if self.keep_call is None:
+            keep_path(self.cache, self.offset + length, path, n)
+            return
+        if self.position is None:
+            self.position = torch.tensor(length, device=path.device)
+        self.keep_call(self.cache, self.position + self.offset, path, size)
+        self.position = self.position + size
 
     def tree(self, tree: DraftTree, length: int, cons: torch.Tensor | None, state: torch.Tensor | None
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -200,14 +226,13 @@ def speculative_generate(
     streamer=None,
     adapter: ContemplateAdapter | None = None,
     contemplate_nodes: int | None = None,
-    target_cache=None,
-    target_call=None,
+    static: StaticTarget | None = None,
 ) -> torch.LongTensor:
     """Generate up to `max_new_tokens` after `input_ids` (1, T); returns (1, T + new).
 
     One host sync per round: the accepted tokens are read once; the tree, the acceptance and the cache
-    edits stay on the device with fixed shapes. `target_cache`/`target_call` (static mode): a static cache
-    and the (compiled) call for the tree passes; the drafter holds its own.
+    edits stay on the device with fixed shapes. `static` (static mode): the target's static cache and
+    (compiled) calls; the drafter holds its own.
 
     With `adapter` (ConFu) every verify pass also carries `[con]` tokens (on all nodes, or on the
     `contemplate_nodes` likeliest ends of the accepted path); the future vector read at the last accepted
@@ -217,8 +242,8 @@ def speculative_generate(
     prompt_len = input_ids.shape[1]
     criteria = stopping_criteria(config, prompt_len + max_new_tokens, tokenizer)
     warpers = logits_warpers(config) if config.do_sample else None
-    verify = _Target(target, feature_layers, adapter, target_cache, target_call)
-    compiled = target_call is not None and target_call is not target
+    verify = _Target(target, feature_layers, adapter, static)
+    compiled = verify.keep_call is not None
     if streamer is not None:
         streamer.put(input_ids.cpu())
 
@@ -251,7 +276,7 @@ def speculative_generate(
         con_hit = torch.zeros_like(last) if cons is None else (cons == last).any()[None].long()
         read = torch.cat([size[None], con_hit, next_ids[0]]).tolist()  # the round's one host sync
         n, fresh, accepted = read[0], read[1], read[2 : 2 + read[0]]
-        keep_path(verify.cache, verify.offset + length, path, n)
+        verify.keep(path, size, length, n)
         if fresh:
             future = (con_features[(cons == last).int().argmax()], length + n - 1)
             stats.fresh_futures += 1
