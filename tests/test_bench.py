@@ -107,7 +107,8 @@ def test_turns_device_dtype_and_the_static_cache_baseline(tmp_path):
     tokenizer.save_pretrained(tmp_path / "target")
     out = tmp_path / "bench"
     main(["--target", str(tmp_path / "target"), "--drafts", "--questions", str(write_questions(tmp_path / "q.jsonl")),
-          "--max-new-tokens", "4", "--prompt-lookup", "0", "--turns", "1", "--static-baseline", "--device", "cpu",
+          "--max-new-tokens", "4", "--prompt-lookup", "0", "--turns", "1", "--static-baseline", "--compile", "never",
+          "--device", "cpu",
           "--dtype", "float32", "--out", str(out)])
     for method in ("generate", "generate-static"):
         rows = [json.loads(line) for line in (tmp_path / "bench_answers" / f"{method}.jsonl").read_text().splitlines()]

@@ -70,13 +70,15 @@ def auto_tree(model, tokenizer, path: str, questions: list[dict], candidates: li
 
 def build_methods(model, drafts: list[str], trees: list[tuple[int, int, int]], sampling: dict,
                   prompt_lookup: int | None, contemplate_nodes: list[int | None] = (None,),
-                  assistant_model=None, static_baseline: bool = False, loops: tuple[str, ...] = ("eager",)
-                  ) -> list[Method]:
+                  assistant_model=None, static_baseline: bool = False, loops: tuple[str, ...] = ("eager",),
+                  static: dict | None = None) -> list[Method]:
     """Plain generate (the reference), with `static_baseline` plain generate with a static cache (which transformers
     compiles on CUDA), prompt lookup, transformers' assisted decoding (with `assistant_model`),
     then every draft x tree budget x loop; a ConFu draft once per `contemplate_nodes` entry (None: a `[con]` on every
     node, "confu"; m > 0: on the m likeliest path ends, "confu-c{m}"; 0: without its future token, "confu-off").
-    `loops`: "eager" and/or "static" (`cache_implementation="static"`, compiled on CUDA; named `<method>-static`)."""
+    `loops`: "eager" and/or "static" (`cache_implementation="static"`, compiled on CUDA; named `<method>-static`);
+    `static`: the `generate` options of the static methods and baseline (default `static_options("auto")`)."""
+    static = static or static_options("auto")
     ones = torch.ones_like
 
     def plain(ids, n):
@@ -85,7 +87,7 @@ def build_methods(model, drafts: list[str], trees: list[tuple[int, int, int]], s
     methods = [Method("generate", plain)]
     if static_baseline:  # transformers' compiled decoding: the baseline to beat on a GPU
         methods.append(Method("generate-static", lambda ids, n: (model.generate(
-            ids, attention_mask=ones(ids), max_new_tokens=n, cache_implementation="static", **sampling), None)))
+            ids, attention_mask=ones(ids), max_new_tokens=n, **static, **sampling), None)))
     if prompt_lookup:
         methods.append(Method(f"prompt_lookup{prompt_lookup}", lambda ids, n: (model.generate(
             ids, attention_mask=ones(ids), max_new_tokens=n, prompt_lookup_num_tokens=prompt_lookup, **sampling), None)))
@@ -98,7 +100,7 @@ def build_methods(model, drafts: list[str], trees: list[tuple[int, int, int]], s
                                                        total_tokens=total)
             tree = f"{Path(path).name}:d{depth}k{top_k}n{total}"
             for loop in loops:
-                suffix, options = ("", {}) if loop == "eager" else ("-static", dict(cache_implementation="static"))
+                suffix, options = ("", {}) if loop == "eager" else ("-static", static)
                 if not assistant.draft.config.contemplate:
                     methods.append(Method(f"eagle3{suffix}:{tree}", _speculative(model, assistant, {**sampling, **options})))
                     continue
@@ -107,6 +109,20 @@ def build_methods(model, drafts: list[str], trees: list[tuple[int, int, int]], s
                     methods.append(Method(f"{mode}{suffix}:{tree}",
                                           _speculative(model, assistant, {**sampling, **options}, nodes)))
     return methods
+
+
+def static_options(compile: str) -> dict:
+    """`generate` options of the static mode: compiled as transformers decides ("auto"), "always" (a CPU too)
+    or "never"."""
+    from transformers import CompileConfig
+
+    options: dict = dict(cache_implementation="static")
+    if compile == "always":
+        options["compile_config"] = CompileConfig()
+        options["compile_config"]._compile_all_devices = True
+    elif compile == "never":
+        options["disable_compile"] = True
+    return options
 
 
 def _speculative(model, assistant: ConFuAssistant, sampling: dict, contemplate_nodes: int | None = None):
@@ -278,6 +294,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="also run plain generate with cache_implementation='static' (compiled on CUDA)")
     p.add_argument("--loops", default="eager", help="speculative loops to run, comma-separated: eager, static "
                    "(cache_implementation='static': fixed shapes, compiled on CUDA)")
+    p.add_argument("--compile", choices=["auto", "always", "never"], default="auto",
+                   help="static methods and --static-baseline: compile as transformers does (auto: on CUDA/XPU), "
+                   "also on a CPU (always), or not at all (never)")
     p.add_argument("--drafts", nargs="*", default=[str(DEFAULT_DRAFT)], help="draft folders or Hub ids")
     p.add_argument("--questions", default=None,
                    help="Spec-Bench / MT-bench style question .jsonl (default: the packaged Spec-Bench dev half)")
@@ -334,7 +353,7 @@ def main(argv=None) -> dict:
     if not set(loops) <= {"eager", "static"}:
         raise SystemExit(f"--loops {args.loops!r}: choose among eager, static.")
     methods = build_methods(model, args.drafts, trees, sampling, args.prompt_lookup, nodes, assistant_model,
-                            args.static_baseline, loops)
+                            args.static_baseline, loops, static_options(args.compile))
     records, mismatches, warmup = run_bench(model, tokenizer, methods, questions, args.max_new_tokens, args.seed,
                                             greedy)
     table = summarize(records, greedy, mismatches)
@@ -342,7 +361,7 @@ def main(argv=None) -> dict:
                 if model.device.type == "cpu" else torch.cuda.get_device_name(model.device), dtype=dtype,
                 questions=len(questions),
                 question_file=args.questions or PACKAGED_QUESTIONS, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                seed=args.seed, command="confu-bench " + " ".join(argv if argv is not None else sys.argv[1:]))
+                seed=args.seed, loops=args.loops, compile=args.compile, command="confu-bench " + " ".join(argv if argv is not None else sys.argv[1:]))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     answers = out.parent / f"{out.name}_answers"
