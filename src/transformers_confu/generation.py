@@ -189,7 +189,8 @@ class _Target:
 
 
 def _append(output, tokens, criteria, streamer) -> tuple[torch.LongTensor, bool]:
-    """Append `tokens` one at a time, stopping where `generate`'s stopping criteria would."""
+    """Append `tokens` one at a time to the host copy of the output, stopping where `generate`'s stopping
+    criteria would (on the host: no device sync per token)."""
     stopped, kept = False, 0
     for token in tokens:
         output = torch.cat([output, output.new_tensor([[token]])], dim=1)
@@ -198,7 +199,7 @@ def _append(output, tokens, criteria, streamer) -> tuple[torch.LongTensor, bool]
         if stopped:
             break
     if streamer is not None:
-        streamer.put(output[0, -kept:].cpu())
+        streamer.put(output[0, -kept:])
     return output, stopped
 
 
@@ -251,8 +252,9 @@ def speculative_generate(
     logits, features = verify.prefill(input_ids)
     stats.verify_seconds += time.perf_counter() - t0
     root = _select_token(logits[-1], warpers)
-    output, stopped = _append(input_ids, [int(root)], criteria, streamer)
-    next_ids, feats, state, length, count = output[:, 1:], features, features[0, -1], prompt_len, None
+    output, stopped = _append(input_ids.cpu(), [int(root)], criteria, streamer)
+    next_ids = torch.cat([input_ids[:, 1:], root.view(1, 1)], dim=1)
+    feats, state, length, count = features, features[0, -1], prompt_len, None
     future = None
     while not stopped:
         if compiled:
@@ -294,4 +296,4 @@ def speculative_generate(
         streamer.end()
     stats.new_tokens = output.shape[1] - prompt_len
     stats.total_seconds = time.perf_counter() - start
-    return output
+    return output.to(input_ids.device)

@@ -168,7 +168,7 @@ def draft_tree(
     """
     step = draft if step is None else step
     device, dtype = hidden.device, hidden.dtype
-    keys = None if future_slot is None else torch.tensor([future_slot], device=device)
+    keys = None if future_slot is None else torch.full((1,), future_slot, device=device)  # no host-to-device copy
     eye = torch.eye(top_k, dtype=torch.bool, device=device)
     ids, logq, q = _pick(draft.logits(hidden[0, -1:]), top_k, temperature)
     frontier_scores, frontier_tokens = logq[0], ids[0]
@@ -177,7 +177,7 @@ def draft_tree(
     visible = eye
     tokens, scores, parents = [ids[0]], [logq[0]], [torch.full_like(ids[0], -1)]
     # one row per expanded node: its candidate id (-1: the root), its children's candidate ids, their q
-    rows, row_children, row_q = [frontier_ids.new_tensor([-1])], [frontier_ids[None]], [q]
+    rows, row_children, row_q = [torch.full((1,), -1, device=device)], [frontier_ids[None]], [q]
     n_cand = top_k
     for level in range(1, depth):
         positions = torch.full((1, top_k), root_position + level - 1, device=device)
@@ -290,8 +290,8 @@ class TreeDrafter:
             vector, anchor = future[0].reshape(1, 1, -1), future[1]
             causal, visible = visible, torch.zeros(size + 1, size + 1, dtype=torch.bool, device=device)
             visible[:size, :size], visible[:size, size], visible[size, size] = causal, positions >= anchor, True
-            positions = torch.cat([positions, positions.new_tensor([anchor])])
-            keys = torch.tensor([start + size], device=device)
+            positions = torch.cat([positions, torch.full((1,), anchor, device=device)])
+            keys = torch.full((1,), start + size, device=device)
         mask = additive_mask(visible, start, dtype, key_width(self.cache, start + visible.shape[1]))
         out = step(next_ids, features.to(dtype), positions[None], mask, self.cache, future=vector, future_keys=keys)
         self.hidden = out[:, n - 1 : n].clone(memory_format=torch.contiguous_format)
