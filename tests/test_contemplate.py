@@ -170,8 +170,10 @@ def test_anchor_sampling_and_replication_window():
         assert seen == ([expected[t]] if t in expected else []), t
 
 
-def test_future_vectors_match_a_direct_forward(arch):
-    """The [con] pass over the cached real keys equals one forward of [soft prompt, tokens..a, [con]]."""
+@pytest.mark.parametrize("lag", [None, [[1, 0], [3, 9]]], ids=["fresh", "lagged"])
+def test_future_vectors_match_a_direct_forward(arch, lag):
+    """The [con] pass over the cached real keys equals one forward of [soft prompt, tokens..a, [con]], its
+    [con] routed by the state at a - 1 - lag (clamped at 0), as inference routes a node at depth lag."""
     target = tiny_target(arch)
     adapter = ContemplateAdapter.for_target(target, num_soft_tokens=3)
     ids = torch.randint(0, 128, (2, 10))
@@ -180,11 +182,12 @@ def test_future_vectors_match_a_direct_forward(arch):
     layers = [1, 2, 3]
     features, _ = target_features_and_logits(target, ids, attention, layers, torch.arange(64), cache)
     anchors = torch.tensor([[2, 6], [4, 8]])
-    f = future_vectors(target, adapter, cache, features, attention, anchors, layers)
+    f = future_vectors(target, adapter, cache, features, attention, anchors, layers,
+                       None if lag is None else torch.tensor(lag))
     for b in range(2):
         for k in range(2):
             a = int(anchors[b, k])
-            con = adapter.con_embedding(features[b, a - 1])
+            con = adapter.con_embedding(features[b, max(a - 1 - (0 if lag is None else lag[b][k]), 0)])
             embeds = torch.cat([adapter.soft_prompt, target.get_input_embeddings()(ids[b, : a + 1]), con[None]])[None]
             n = a + 1
             allowed = torch.zeros(3 + n + 1, 3 + n + 1, dtype=torch.bool)

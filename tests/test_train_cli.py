@@ -63,7 +63,7 @@ def test_confu_training_from_an_eagle3_draft_resumes_and_loads(tmp_path):
     main(common + ["--output-dir", str(tmp_path / "eagle3")])
     argv = common + ["--output-dir", str(tmp_path / "confu"), "--init-from", str(tmp_path / "eagle3" / "final"),
                      "--contemplate", "--soft-tokens", "4", "--con-experts", "4", "--epochs", "2",
-                     "--soft-prompt-init-text", "What is"]
+                     "--soft-prompt-init-text", "What is", "--route-lag", "2"]
     main(argv + ["--max-minutes", "0"])
     checkpoint = tmp_path / "confu" / "checkpoint-1"
     assert (checkpoint / ADAPTER_FOLDER / "model.safetensors").is_file()
@@ -79,7 +79,7 @@ def test_confu_training_from_an_eagle3_draft_resumes_and_loads(tmp_path):
     assert peft_config.base_model_name_or_path == peft_config.tokenizer_name_or_path == str(tmp_path / "target")
     with pytest.raises(SystemExit, match="drop one of the two"):
         main(argv[:-2] + ["--output-dir", str(tmp_path / "again"), "--init-from", str(tmp_path / "confu" / "final"),
-                          "--soft-prompt-init-text", "What is"])
+                          "--soft-prompt-init-text", "What is", "--route-lag", "2"])
     ids = torch.tensor([tokenizer.apply_chat_template([{"role": "user", "content": "What is 2 + 3?"}],
                                                       add_generation_prompt=True, return_dict=True)["input_ids"]])
     ref = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=10, do_sample=False,

@@ -58,13 +58,16 @@ def future_vectors(
     attention_mask: torch.Tensor,
     anchors: torch.LongTensor,
     feature_layers: list[int],
+    route_lag: torch.LongTensor | None = None,
 ) -> torch.Tensor:
     """The `[con]` pass: (B, K, 3H) future vectors at the anchors, with gradients into `adapter`.
 
     Args:
         real_cache: the real tokens' keys and values from the no-grad target pass.
         features: (B, T, 3H) the fused target features of that pass; the `[con]` after anchor a is
-            routed by the features at a - 1, the state known at inference.
+            routed by the features at a - 1 - lag (`route_lag` (B, K), default 0). At inference a tree's
+            `[con]` tokens are all routed by the last accepted token, which is d positions before the anchor
+            - 1 of a node at depth d: a lag of d.
     """
     batch, length = attention_mask.shape
     soft = adapter.num_soft_tokens
@@ -72,7 +75,8 @@ def future_vectors(
     for index, ((soft_k, soft_v), layer) in enumerate(zip(adapter.soft_kv(target), real_cache.layers)):
         cache.update(soft_k.expand(batch, -1, -1, -1), soft_v.expand(batch, -1, -1, -1), index)
         cache.update(layer.keys, layer.values, index)
-    states = features.gather(1, (anchors - 1)[..., None].expand(-1, -1, features.shape[-1]))
+    routed = anchors - 1 if route_lag is None else (anchors - 1 - route_lag).clamp_min(0)
+    states = features.gather(1, routed[..., None].expand(-1, -1, features.shape[-1]))
     embeds = adapter.con_embedding(states).to(target.dtype)
     t = torch.arange(length, device=anchors.device)
     sees_real = (t[None, None] <= anchors[..., None]) & attention_mask.bool()[:, None]  # (B, K, T)
@@ -94,9 +98,13 @@ def contemplate_future(
     feature_layers: list[int],
     anchor_ratio: float,
     window: int,
+    max_route_lag: int = 0,
 ) -> Future:
-    """Sample anchors (`anchor_ratio` of the positions, at least 1), run the `[con]` pass, replicate."""
+    """Sample anchors (`anchor_ratio` of the positions, at least 1), run the `[con]` pass, replicate.
+    `max_route_lag` > 0 routes each `[con]` by a state up to that many tokens older (uniform), as a tree's
+    deeper `[con]` tokens are routed at inference."""
     count = max(1, round(anchor_ratio * attention_mask.shape[1]))
     anchors = sample_anchors(attention_mask, loss_mask, count)
-    vectors = future_vectors(target, adapter, real_cache, features, attention_mask, anchors, feature_layers)
+    lag = torch.randint(0, max_route_lag + 1, anchors.shape, device=anchors.device) if max_route_lag else None
+    vectors = future_vectors(target, adapter, real_cache, features, attention_mask, anchors, feature_layers, lag)
     return Future(vectors, anchors, future_visibility(anchors, attention_mask, window))

@@ -155,6 +155,7 @@ class ConFuTrainer(Trainer):
             future = contemplate_future(
                 self.target_model, adapter, cache, features, attention_mask, inputs["loss_mask"],
                 draft.config.feature_layers, self.args.anchor_ratio, self.args.replication_window,
+                self.args.route_lag,
             )
         loss, metrics = ttt_loss(
             model, features, target_logits, input_ids, inputs["loss_mask"], attention_mask,

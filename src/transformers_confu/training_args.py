@@ -25,6 +25,10 @@ class ConFuTrainingArguments(TrainingArguments):
     replication_window: int = field(
         default=4, metadata={"help": "ConFu: an anchor's future vector is seen by the next this many positions."}
     )
+    route_lag: int = field(
+        default=0, metadata={"help": "ConFu: route each [con] by a state up to this many tokens older (uniform), "
+                             "as inference routes a tree's deeper [con] tokens (0: the state before the anchor)."}
+    )
     contemplate_lr_scale: float = field(
         default=10.0, metadata={"help": "ConFu: learning-rate multiplier of the adapter and the [f] MoE."}
     )
@@ -49,6 +53,8 @@ class ConFuTrainingArguments(TrainingArguments):
             raise ValueError(f"anchor_ratio={self.anchor_ratio} must be in (0, 1].")
         if self.contemplate_lr_scale <= 0:
             raise ValueError(f"contemplate_lr_scale={self.contemplate_lr_scale} must be > 0.")
+        if self.route_lag < 0:
+            raise ValueError(f"route_lag={self.route_lag} must be >= 0.")
         if self.replication_window < 1:
             raise ValueError(f"replication_window={self.replication_window} must be >= 1.")
         if self.max_minutes is not None and self.max_minutes < 0:
