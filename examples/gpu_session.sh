@@ -7,7 +7,8 @@
 # Then, on the device, one call each, back to back (the machine is given back 30 s after a call):
 #   carry [".dev/s1"]:  bash examples/gpu_session.sh put1
 #   carry [".dev/s2"]:  bash examples/gpu_session.sh put2
-#   carry [".dev/s3"]:  bash examples/gpu_session.sh bench    # issue #12: static/compiled loop vs compiled generate
+#   carry [".dev/s3"]:  bash examples/gpu_session.sh bench    # issue #12: static/compiled loop vs compiled generate,
+#                                                             # then syncs per round and device busy share
 #   carry [".dev/s3"]:  bash examples/gpu_session.sh train    # issue #10: the one-command GPU recipe
 # Results come back under $OUT (bench: .md/.json; train: the draft split in 15 MB parts, join with cat).
 # `SMOKE=1 bash examples/gpu_session.sh bench|train` runs the same steps on this CPU at tiny size.
@@ -47,9 +48,10 @@ bench)
   drafts=src/transformers_confu/checkpoints/smollm2-135m-instruct
   if [ -n "${SMOKE:-}" ]; then size=(--limit 2 --max-new-tokens 16 --trees "3,1,4" --device cpu)
   else size=(--per-category 1 --max-new-tokens 128 --trees "6,4,24" --device cuda); fi
-  timeout 540 python3 -m transformers_confu.bench --turns 1 --static-baseline --loops eager,static --prompt-lookup 0 \
+  timeout 420 python3 -m transformers_confu.bench --turns 1 --static-baseline --loops eager,static --prompt-lookup 0 \
     --drafts $drafts-eagle3 $drafts-confu --contemplate-nodes all "${size[@]}" --out /tmp/gpu_bench/gpu_static 2>&1 | tail -40
-  cp /tmp/gpu_bench/gpu_static.* "$OUT"/ ;;  # at most 8 files come back: not the answer files
+  [ -n "${SMOKE:-}" ] || timeout 120 python3 examples/profile_rounds.py --out /tmp/gpu_bench/profile_rounds | tail -12
+  cp /tmp/gpu_bench/gpu_static.* /tmp/gpu_bench/profile_rounds.json "$OUT"/ 2>/dev/null || true ;;  # not the answer files (8 at most come back)
 train)
   prepare_device
   mkdir -p "$OUT"
