@@ -28,7 +28,7 @@ from .contemplate import ADAPTER_FOLDER, ContemplateAdapter
 from .eagle3_format import is_eagle3_config, load_eagle3, read_config, save_eagle3
 from .generation import SpeculativeStats, StaticTarget, TreeBudget, speculative_generate
 from .modeling_confu import ConFuDraftModel
-from .tree import TreeDrafter
+from .tree import TreeDrafter, catch_up_step, draft_tree
 
 # generate() options that change the output in ways this loop does not reproduce, with neutral values.
 _UNSUPPORTED = {
@@ -204,7 +204,7 @@ class ConFuAssistant:
             raise ValueError(f"cache_implementation={config.cache_implementation!r} is not supported with a ConFu "
                              "assistant: use 'static' (preallocated caches, compiled on CUDA) or leave it unset.")
         drafter = TreeDrafter(self.draft, budget.depth, budget.top_k, budget.total_tokens, temperature,
-                              parts.get("draft_cache"), parts.get("draft_call"))
+                              parts.get("draft_cache"), parts.get("draft_calls"))
         output = speculative_generate(
             target, drafter, self.draft.config.feature_layers, input_ids, config, max_new, self.stats,
             tokenizer, streamer, self.adapter, contemplate_nodes, parts.get("target"),
@@ -216,7 +216,8 @@ class ConFuAssistant:
     def _static_parts(self, config: GenerationConfig, length: int, budget: TreeBudget) -> dict[str, Any]:
         """Static mode: preallocated caches for target and draft, sized to `length` tokens plus the tree and
         rounded up to a multiple of `STATIC_BUCKET` (so prompts of similar length share one compiled shape),
-        and the calls that run them: compiled where transformers' `generate` compiles a static cache (CUDA/XPU,
+        and the calls that run them (the target's tree pass, the path compaction, the draft's catch-up and whole
+        tree drafting, each one graph): compiled where transformers' `generate` compiles a static cache (CUDA/XPU,
         or `compile_config._compile_all_devices`; never with `disable_compile`), with its `compile_config`.
         Kept on the assistant and reused by later calls of the same capacity and compile settings."""
         layer_types = getattr(self.target.config, "layer_types", None) or []
@@ -242,7 +243,8 @@ class ConFuAssistant:
             "target": StaticTarget(cache, torch.compile(self.target, **options), torch.compile(keep_path, **options))
             if compile else StaticTarget(cache, self.target),
             "draft_cache": static_cache(1, capacity),
-            "draft_call": torch.compile(self.draft, **options) if compile else self.draft,
+            "draft_calls": {"catch_up": torch.compile(catch_up_step, **options),
+                            "propose": torch.compile(draft_tree, **options)} if compile else None,
         }
         self._static = parts
         return {**parts, "fresh": True}

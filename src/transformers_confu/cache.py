@@ -33,12 +33,12 @@ def static_cache(num_layers: int, capacity: int) -> Cache:
     return Cache(layers=[StaticLayer(max_cache_len=capacity) for _ in range(num_layers)])
 
 
-def key_width(cache: Cache, needed: int) -> int:
+def key_width(cache: Cache, needed: int | torch.Tensor) -> int:
     """Width of the key axis an attention mask must have after writing up to `needed` positions: the
-    capacity of a static cache, else `needed`."""
+    capacity of a static cache (checked against `needed` when it is a host int), else `needed`."""
     if is_static(cache):
         capacity = cache.layers[0].max_cache_len
-        if needed > capacity:
+        if isinstance(needed, int) and needed > capacity:
             raise ValueError(f"The static cache holds {capacity} positions, {needed} are needed.")
         return capacity
     return needed

@@ -127,7 +127,6 @@ class _Target:
         self.offset = 0 if adapter is None else adapter.num_soft_tokens
         self.call = model if static is None else static.call
         self.keep_call = None if static is None else static.keep
-        self.position: torch.Tensor | None = None  # cached real positions, on the device (compiled keep)
         self.kwargs = cache_kwargs(model, self.cache)
         self.keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
 
@@ -152,16 +151,10 @@ class _Target:
         return self._forward(self.model, 1, input_ids=ids, position_ids=torch.arange(n, device=device)[None],
                              attention_mask=pad_keys(mask, self._width(n)))
 
-    def keep(self, path: torch.Tensor, size: torch.Tensor, length: int, n: int) -> None:
-        """Compact the cache to the accepted `path` of `n` nodes (`size` on the device) after a tree pass at
-        `length`."""
-        if self.keep_call is None:
-            keep_path(self.cache, self.offset + length, path, n)
-            return
-        if self.position is None:
-            self.position = torch.tensor(length, device=path.device)
-        self.keep_call(self.cache, self.position + self.offset, path, size)
-        self.position = self.position + size
+    def keep(self, path: torch.Tensor, length: int | torch.Tensor, count: int | torch.Tensor) -> None:
+        """Compact the cache to the accepted `path` of `count` nodes after a tree pass at `length` (host ints,
+        or device scalars in static mode)."""
+        (self.keep_call or keep_path)(self.cache, self.offset + length, path, count)
 
     def tree(self, tree: DraftTree, length: int, cons: torch.Tensor | None, state: torch.Tensor | None
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -255,14 +248,16 @@ def speculative_generate(
     output, stopped = _append(input_ids.cpu(), [int(root)], criteria, streamer)
     next_ids = torch.cat([input_ids[:, 1:], root.view(1, 1)], dim=1)
     feats, state, length, count = features, features[0, -1], prompt_len, None
+    # the length as the fixed-shape calls see it: a host int, or in static mode a device scalar (no recompiles)
+    at = prompt_len if static is None else torch.tensor(prompt_len, device=input_ids.device)
     future = None
     while not stopped:
         if compiled:
             torch.compiler.cudagraph_mark_step_begin()
         # Draft: catch up on the newly accepted tokens, then draft a tree under the last one.
         t0 = time.perf_counter()
-        drafter.catch_up(next_ids, feats, length, future, count)
-        tree = drafter.propose(root, length)
+        drafter.catch_up(next_ids, feats, at, future, count)
+        tree = drafter.propose(root, at)
         ends = len(tree) if contemplate_nodes is None else min(contemplate_nodes, len(tree))
         cons = None if adapter is None else tree.likely_ends(ends)
         t1 = time.perf_counter()
@@ -278,9 +273,10 @@ def speculative_generate(
         con_hit = torch.zeros_like(last) if cons is None else (cons == last).any()[None].long()
         read = torch.cat([size[None], con_hit, next_ids[0]]).tolist()  # the round's one host sync
         n, fresh, accepted = read[0], read[1], read[2 : 2 + read[0]]
-        verify.keep(path, size, length, n)
+        count = n if static is None else size
+        verify.keep(path, at, count)
         if fresh:
-            future = (con_features[(cons == last).int().argmax()], length + n - 1)
+            future = (con_features[(cons == last).int().argmax()], at + count - 1)
             stats.fresh_futures += 1
         if not stats.target_forwards:
             stats.first_round_seconds = time.perf_counter() - t0
@@ -289,9 +285,8 @@ def speculative_generate(
         stats.target_forwards += 1
         stats.accept_lengths.append(n)
         output, stopped = _append(output, accepted, criteria, streamer)
-        feats, count = features[:, path], n
-        state = feats[0, n - 1]
-        length += n
+        feats, state = features[:, path], features[0, last[0]]
+        length, at = length + n, at + count
     if streamer is not None:
         streamer.end()
     stats.new_tokens = output.shape[1] - prompt_len

@@ -117,14 +117,20 @@ def to_additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, torch.finfo(dtype).min)
 
 
-def additive_mask(visible: torch.Tensor, prefix: int, dtype: torch.dtype, width: int | None = None) -> torch.Tensor:
+def additive_mask(visible: torch.Tensor, prefix: int | torch.Tensor, dtype: torch.dtype,
+                  width: int | None = None) -> torch.Tensor:
     """(Q, K) bool -> (1, 1, Q, width) additive float mask: the `prefix` first keys visible, then `visible`,
-    then (up to `width`, default `prefix + K`: a static cache's spare room) nothing."""
+    then (up to `width`, default `prefix + K`: a static cache's spare room) nothing. `prefix` may be a 0-d
+    device tensor (then `width` is needed): the mask is built without reading it on the host."""
     q, k = visible.shape
-    mask = torch.full((q, width or prefix + k), torch.finfo(dtype).min, dtype=dtype, device=visible.device)
-    mask[:, :prefix] = 0
-    mask[:, prefix : prefix + k] = to_additive(visible, dtype)
-    return mask[None, None]
+    rel = torch.arange(width or prefix + k, device=visible.device) - prefix  # key index - prefix
+    allowed = (rel < 0) | (visible[:, rel.clamp(0, k - 1)] & (rel < k))
+    return to_additive(allowed, dtype)[None, None]
+
+
+def _scalar(value: int | torch.Tensor, device) -> torch.Tensor:
+    """(1,) long tensor holding `value` (a host int or a device scalar), with no host-to-device copy."""
+    return torch.zeros(1, dtype=torch.long, device=device) + value
 
 
 def _pick(logits: torch.Tensor, k: int, temperature: float | None):
@@ -139,7 +145,6 @@ def _pick(logits: torch.Tensor, k: int, temperature: float | None):
     return ids, logq.gather(-1, ids), logq.exp()
 
 
-@torch.no_grad()
 def draft_tree(
     draft: ConFuDraftModel,
     cache,
@@ -151,8 +156,7 @@ def draft_tree(
     top_k: int,
     total_tokens: int,
     temperature: float | None = None,
-    future_slot: int | None = None,
-    step=None,
+    future_slot: int | torch.Tensor | None = None,
 ) -> DraftTree:
     """Draft a tree under `root`.
 
@@ -164,11 +168,12 @@ def draft_tree(
         root: target id of the root token; root_position: its position in the target sequence.
         temperature: None for greedy decoding, else the sampling temperature of the proposals.
         future_slot: cache index of this round's `[f]` entry (ConFu), which every drafted token attends to.
-        step: the callable that runs the draft (default `draft`; a compiled one in static mode).
+
+    `prefix`, `root_position` and `future_slot` are host ints or, on a static cache, 0-d device tensors: then
+    the whole function has fixed shapes and no host reads, and the static mode compiles it as one graph.
     """
-    step = draft if step is None else step
     device, dtype = hidden.device, hidden.dtype
-    keys = None if future_slot is None else torch.full((1,), future_slot, device=device)  # no host-to-device copy
+    keys = None if future_slot is None else _scalar(future_slot, device)
     eye = torch.eye(top_k, dtype=torch.bool, device=device)
     ids, logq, q = _pick(draft.logits(hidden[0, -1:]), top_k, temperature)
     frontier_scores, frontier_tokens = logq[0], ids[0]
@@ -180,10 +185,10 @@ def draft_tree(
     rows, row_children, row_q = [torch.full((1,), -1, device=device)], [frontier_ids[None]], [q]
     n_cand = top_k
     for level in range(1, depth):
-        positions = torch.full((1, top_k), root_position + level - 1, device=device)
+        positions = _scalar(root_position + level - 1, device).expand(1, top_k)
         width = key_width(cache, prefix + visible.shape[1])
-        out = step(draft.d2t[frontier_tokens][None], frontier_hidden, positions,
-                   additive_mask(visible, prefix, dtype, width), cache, future_keys=keys)
+        out = draft(draft.d2t[frontier_tokens][None], frontier_hidden, positions,
+                    additive_mask(visible, prefix, dtype, width), cache, future_keys=keys)
         ids, logq, q = _pick(draft.logits(out[0]), top_k, temperature)
         level_scores = (frontier_scores[:, None] + logq).flatten()
         children = n_cand + torch.arange(top_k * top_k, device=device).view(top_k, top_k)
@@ -252,61 +257,71 @@ class TreeDrafter:
     ConFu: `catch_up` also takes the future vector f; its `[f]` entry stays in the cache for one round
     (the last new entry and the whole tree see it) and is replaced at the next `catch_up`.
 
-    `cache` is a `DynamicCache` (eager) or a static cache; `step` the callable that runs the draft (the
-    draft itself, or its compiled call).
+    `cache` is a `DynamicCache` (eager; lengths are host ints) or a static cache (lengths are 0-d device
+    tensors); `calls` may replace `catch_up_step` and `draft_tree` by their compiled versions (static mode).
     """
 
     def __init__(self, draft: ConFuDraftModel, depth: int, top_k: int, total_tokens: int,
-                 temperature: float | None = None, cache=None, step=None) -> None:
+                 temperature: float | None = None, cache=None, calls: dict | None = None) -> None:
         self.draft, self.depth, self.top_k, self.total_tokens = draft, depth, top_k, total_tokens
         self.temperature = temperature
         self.cache = DynamicCache() if cache is None else cache
-        self.step = draft if step is None else step
+        calls = calls or {}
+        self._catch_up, self._propose = calls.get("catch_up", catch_up_step), calls.get("propose", draft_tree)
         self.hidden: torch.Tensor | None = None
-        self.length = 0  # entries in the cache
-        self._future_slot: int | None = None  # cache index of this round's [f] entry
+        self.length: int | torch.Tensor = 0  # entries in the cache
+        self._future_slot: int | torch.Tensor | None = None  # cache index of this round's [f] entry
 
     @property
     def d2t(self) -> torch.Tensor:
         return self.draft.d2t
 
     @torch.no_grad()
-    def catch_up(self, next_ids: torch.LongTensor, features: torch.Tensor, length: int,
-                 future: tuple[torch.Tensor, int] | None = None, count: int | None = None) -> None:
+    def catch_up(self, next_ids: torch.LongTensor, features: torch.Tensor, length: int | torch.Tensor,
+                 future: tuple[torch.Tensor, int | torch.Tensor] | None = None,
+                 count: int | torch.Tensor | None = None) -> None:
         """Feed the accepted next tokens (1, P) with the target's (1, P, 3H) features at positions
         `length - count .. length - 1`: only the first `count` (default P) are real, the rest pad a
         fixed-size call and are dropped. `future` (ConFu) is `(f (3H,), anchor position)`."""
         if self._future_slot is not None:
             truncate_cache(self.cache, self._future_slot)
-            self._future_slot = None
-        size, device = next_ids.shape[1], next_ids.device
-        n = size if count is None else count
-        step = self.draft if count is None else self.step  # the prompt's call (its own size) is not compiled
-        start, dtype = length - n, self.draft.fc.weight.dtype
-        positions = torch.arange(start, start + size, device=device)
-        visible = torch.ones(size, size, dtype=torch.bool, device=device).tril()
-        vector, keys = None, None
-        if future is not None:  # one more entry, [f]: seen by the rows at or after its anchor, sees itself
-            vector, anchor = future[0].reshape(1, 1, -1), future[1]
-            causal, visible = visible, torch.zeros(size + 1, size + 1, dtype=torch.bool, device=device)
-            visible[:size, :size], visible[:size, size], visible[size, size] = causal, positions >= anchor, True
-            positions = torch.cat([positions, torch.full((1,), anchor, device=device)])
-            keys = torch.full((1,), start + size, device=device)
-        mask = additive_mask(visible, start, dtype, key_width(self.cache, start + visible.shape[1]))
-        out = step(next_ids, features.to(dtype), positions[None], mask, self.cache, future=vector, future_keys=keys)
-        self.hidden = out[:, n - 1 : n].clone(memory_format=torch.contiguous_format)
-        if future is None:
-            truncate_cache(self.cache, length)
-            self.length = length
-        else:  # move [f] down next to the real entries, drop the pads
-            order = torch.arange(size + 1, device=device)
-            keep_path(self.cache, start, order.masked_fill(order == n, size), n + 1)
-            self._future_slot, self.length = length, length + 1
+        run = catch_up_step if count is None else self._catch_up  # the prompt's call (its own size): not compiled
+        self.hidden, self.length, self._future_slot = run(
+            self.draft, self.cache, next_ids, features, length, next_ids.shape[1] if count is None else count, future)
 
-    def propose(self, root: torch.Tensor | int, root_position: int) -> DraftTree:
+    @torch.no_grad()
+    def propose(self, root: torch.Tensor | int, root_position: int | torch.Tensor) -> DraftTree:
         """Draft a tree under `root` (at `root_position` in the target sequence)."""
-        return draft_tree(self.draft, self.cache, self.length, self.hidden, root, root_position, self.depth, self.top_k,
-                          self.total_tokens, self.temperature, self._future_slot, self.step)
+        return self._propose(self.draft, self.cache, self.length, self.hidden, root, root_position, self.depth,
+                             self.top_k, self.total_tokens, self.temperature, self._future_slot)
+
+
+def catch_up_step(draft: ConFuDraftModel, cache, next_ids: torch.LongTensor, features: torch.Tensor,
+                  length: int | torch.Tensor, n: int | torch.Tensor, future=None):
+    """`TreeDrafter.catch_up` on an explicit cache (the `[f]` entry of the last round already dropped):
+    returns the draft's (1, 1, H) output at the last real entry, the cache's new length and the `[f]`
+    entry's index (None without `future`). Host ints, or device scalars on a static cache (one graph)."""
+    size, device = next_ids.shape[1], next_ids.device
+    start, dtype = length - n, draft.fc.weight.dtype
+    positions = torch.arange(size, device=device) + start
+    visible = torch.ones(size, size, dtype=torch.bool, device=device).tril()
+    vector, keys = None, None
+    if future is not None:  # one more entry, [f]: seen by the rows at or after its anchor, sees itself
+        vector, anchor = future[0].reshape(1, 1, -1), future[1]
+        causal, visible = visible, torch.zeros(size + 1, size + 1, dtype=torch.bool, device=device)
+        visible[:size, :size], visible[:size, size], visible[size, size] = causal, positions >= anchor, True
+        positions = torch.cat([positions, _scalar(anchor, device)])
+        keys = _scalar(start + size, device)
+    mask = additive_mask(visible, start, dtype, key_width(cache, start + visible.shape[1]))
+    out = draft(next_ids, features.to(dtype), positions[None], mask, cache, future=vector, future_keys=keys)
+    last = out[:, n - 1 : n] if isinstance(n, int) else out.index_select(1, n.reshape(1) - 1)
+    hidden = last.clone(memory_format=torch.contiguous_format)
+    if future is None:
+        truncate_cache(cache, length)
+        return hidden, length, None
+    order = torch.arange(size + 1, device=device)  # move [f] down next to the real entries, drop the pads
+    keep_path(cache, start, order.masked_fill(order == n, size), n + 1)
+    return hidden, length + 1, length
 
 
 def pad_keys(mask: torch.Tensor, width: int) -> torch.Tensor:
