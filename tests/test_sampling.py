@@ -66,10 +66,20 @@ def setup():
     return target, assistant, prompt, exact_distribution(target, prompt)
 
 
-@pytest.mark.parametrize("cache_implementation", [None, "static"])
-def test_sampling_matches_exact_target_distribution(setup, cache_implementation):
+def compiled_static() -> dict:
+    """The static mode compiled (the eager backend runs the captured graphs; fullgraph fails on a break)."""
+    from transformers import CompileConfig
+
+    config = CompileConfig(backend="eager", fullgraph=True, dynamic=False)
+    config._compile_all_devices = True
+    return dict(cache_implementation="static", compile_config=config)
+
+
+@pytest.mark.parametrize("mode", ["eager", "static", "compiled"])
+def test_sampling_matches_exact_target_distribution(setup, mode):
     target, assistant, prompt, exact = setup
-    counts = sampled_counts(target, assistant, prompt, cache_implementation=cache_implementation)
+    options = {"eager": {}, "static": dict(cache_implementation="static"), "compiled": compiled_static()}[mode]
+    counts = sampled_counts(target, assistant, prompt, **options)
     assert p_value(exact, counts) > 1e-3
 
 
