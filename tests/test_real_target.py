@@ -39,12 +39,13 @@ def test_real_target_loads_as_a_plain_float_model(real):
 
 @pytest.mark.parametrize("prompt", ["What is the capital of France? Answer in one sentence.",
                                     "Write a haiku about the sea."])
-def test_real_target_greedy_identity(real, prompt):
+@pytest.mark.parametrize("cache_implementation", [None, "static"])
+def test_real_target_greedy_identity(real, prompt, cache_implementation):
     model, tokenizer, assistant = real
     ids = chat_input_ids(tokenizer, [prompt])
     ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=40, do_sample=False)
     out = model.generate(ids, max_new_tokens=40, do_sample=False, assistant_model=assistant, tree_depth=3,
-                         tree_top_k=2, tree_total_tokens=5)
+                         tree_top_k=2, tree_total_tokens=5, cache_implementation=cache_implementation)
     assert torch.equal(out, ref), tokenizer.decode(out[0, ids.shape[1]:])
     stats = assistant.stats
     assert stats.new_tokens == ref.shape[1] - ids.shape[1] and stats.target_forwards == len(stats.accept_lengths)
