@@ -20,15 +20,9 @@ from pathlib import Path
 import torch
 
 from transformers_confu import ConFuDraftModel
-from transformers_confu.data import DataCollatorForDraft
 from transformers_confu.target import load_target
 from transformers_confu.train import build_dataset, parse_args
-from transformers_confu.ttt import (
-    target_argmax,
-    target_hidden,
-    teacher_logits,
-    ttt_loss,
-)
+from transformers_confu.ttt import evaluate_ttt
 
 VARIANTS = {"random": "none", "head+norm": "head,norm", "head+norm+fc": "head,norm,fc",
             "head+norm+fc+layer": "head,norm,fc,layer"}
@@ -41,24 +35,10 @@ def train_argv(args: argparse.Namespace, max_samples: int) -> list[str]:
             "--seed", str(args.seed)]
 
 
-@torch.no_grad()
 def score(draft_dir: Path, target, rows, steps: int) -> dict[str, float]:
     draft = ConFuDraftModel.from_pretrained(draft_dir, dtype=torch.float32)
     draft.attach_target(target)
-    collate = DataCollatorForDraft(pad_token_id=0)
-    totals: dict[str, float] = {}
-    for start in range(0, len(rows), 8):
-        batch = collate([rows[i] for i in range(start, min(start + 8, len(rows)))])
-        features, last = target_hidden(target, batch["input_ids"], batch["attention_mask"], draft.config.feature_layers)
-        _, metrics = ttt_loss(draft, features, teacher_logits(target, last, draft.d2t), batch["input_ids"],
-                              batch["loss_mask"], batch["attention_mask"], steps=steps,
-                              target_ids=target_argmax(target, last))
-        for step in range(steps):
-            n = float(metrics[f"count_{step}"])
-            totals[f"n_{step}"] = totals.get(f"n_{step}", 0.0) + n
-            for key in ("acc", "full_acc", "loss"):
-                totals[f"{key}_{step}"] = totals.get(f"{key}_{step}", 0.0) + float(metrics[f"{key}_{step}"]) * n
-    return {k: v / totals[f"n_{k.rsplit('_', 1)[1]}"] for k, v in totals.items() if not k.startswith("n_")}
+    return evaluate_ttt(draft, target, rows, steps)
 
 
 def main() -> None:

@@ -246,3 +246,22 @@ def test_loss_has_gradients_only_for_the_draft(setup):
     loss.backward()
     assert all(p.grad is not None for p in draft.parameters())
     assert all(p.grad is None for p in target.parameters())
+
+
+def test_evaluate_ttt_weights_batches_by_positions(setup):
+    """Rows of different lengths in batches of 1: the position-weighted means equal one padded batch's."""
+    from transformers_confu.ttt import evaluate_ttt, target_argmax, target_hidden, teacher_logits
+
+    target, draft, _, _, _ = setup
+    rows = [{"input_ids": tiny_batch(1, length, seed=length)["input_ids"][0].tolist(),
+             "loss_mask": tiny_batch(1, length)["loss_mask"][0].tolist()} for length in (8, 12, 16)]
+    one_by_one = evaluate_ttt(draft, target, rows, steps=2, batch_size=1)
+    together = evaluate_ttt(draft, target, rows, steps=2, batch_size=3)
+    for key in ("loss_0", "acc_0", "full_acc_0", "loss_1", "full_acc_1"):
+        assert one_by_one[key] == pytest.approx(together[key], rel=1e-5, abs=1e-6), key
+    features, last = target_hidden(target, torch.tensor([rows[0]["input_ids"]]), torch.ones(1, 8, dtype=torch.long),
+                                   draft.config.feature_layers)
+    _, metrics = ttt_loss(draft, features, teacher_logits(target, last, draft.d2t), torch.tensor([rows[0]["input_ids"]]),
+                          torch.tensor([rows[0]["loss_mask"]]), torch.ones(1, 8, dtype=torch.long), steps=2,
+                          target_ids=target_argmax(target, last))
+    assert evaluate_ttt(draft, target, rows[:1], steps=2)["full_acc_0"] == pytest.approx(float(metrics["full_acc_0"]))

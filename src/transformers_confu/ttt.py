@@ -227,3 +227,27 @@ def _unwrap(draft: nn.Module) -> nn.Module:
     for gradient sync)."""
     module = getattr(draft, "module", draft)
     return getattr(module, "draft", module)
+
+
+@torch.no_grad()
+def evaluate_ttt(draft: nn.Module, target: PreTrainedModel, rows: list[dict], steps: int,
+                 batch_size: int = 8) -> dict[str, float]:
+    """Mean TTT metrics of an EAGLE-3 `draft` (attached to `target`) over tokenized `rows` (`input_ids`,
+    `loss_mask`), weighted by positions: `loss_i`, `acc_i` and `full_acc_i` (the draft's token == the target's
+    greedy token, full vocabulary: at T=0 the depth-0 one is the first drafted token's acceptance)."""
+    from .data import DataCollatorForDraft
+
+    collate = DataCollatorForDraft(pad_token_id=0)
+    sums: dict[str, float] = {}
+    for start in range(0, len(rows), batch_size):
+        batch = collate(rows[start : start + batch_size])
+        features, last = target_hidden(target, batch["input_ids"], batch["attention_mask"], draft.config.feature_layers)
+        _, metrics = ttt_loss(draft, features, teacher_logits(target, last, draft.d2t), batch["input_ids"],
+                              batch["loss_mask"], batch["attention_mask"], steps=steps,
+                              target_ids=target_argmax(target, last))
+        for step in range(steps):
+            n = float(metrics[f"count_{step}"])
+            sums[f"positions_{step}"] = sums.get(f"positions_{step}", 0.0) + n
+            for key in ("loss", "acc", "full_acc"):
+                sums[f"{key}_{step}"] = sums.get(f"{key}_{step}", 0.0) + float(metrics[f"{key}_{step}"]) * n
+    return {k: v / sums[f"positions_{k.rsplit('_', 1)[1]}"] for k, v in sums.items() if not k.startswith("positions")}

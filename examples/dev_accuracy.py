@@ -1,0 +1,60 @@
+"""Teacher-forced accuracy of drafts on the target's own greedy answers to the dev questions.
+
+A cheap stand-in for acceptance: for each draft, the TTT accuracy at depth 0, 1, 2, ... against the target's
+greedy token over its full vocabulary, on conversations [dev question, the target's greedy answer] (the
+answers a `confu-bench` run wrote for plain `generate`). At T=0 the first drafted token is accepted exactly
+when the depth-0 prediction is right, so this predicts tau without decoding, in seconds per draft; it also
+separates a weak draft (low accuracy here) from an inference bug (high accuracy here, low tau in the bench).
+
+    python examples/dev_accuracy.py --answers results/eagle3_v2_dev_t0_answers/generate.jsonl \
+        --drafts src/transformers_confu/checkpoints/smollm2-135m-instruct-eagle3 runs/my-draft/final
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import datasets
+import torch
+
+from transformers_confu import ConFuDraftModel, load_target
+from transformers_confu.data import tokenize_conversations
+from transformers_confu.questions import load_questions
+from transformers_confu.ttt import evaluate_ttt
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--answers", required=True, help="a confu-bench answer file of plain generate (generate.jsonl)")
+    p.add_argument("--drafts", nargs="+", required=True)
+    p.add_argument("--steps", type=int, default=3, help="TTT depths scored")
+    p.add_argument("--out", default=None, help="also write OUT.json")
+    args = p.parse_args()
+    target, tokenizer = load_target()
+    questions = {q["question_id"]: q for q in load_questions()}
+    conversations = []
+    for line in Path(args.answers).read_text().splitlines():
+        row = json.loads(line)
+        turns, answers = questions[row["question_id"]]["turns"], row["choices"][0]["turns"]
+        messages = []
+        for question, answer in zip(turns, answers):
+            messages += [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
+        conversations.append({"messages": messages})
+    tokenized = tokenize_conversations(datasets.Dataset.from_list(conversations), tokenizer)
+    rows = [tokenized[i] for i in range(len(tokenized))]
+    results = {}
+    for path in args.drafts:
+        draft = ConFuDraftModel.from_pretrained(path, dtype=torch.float32)
+        draft.attach_target(target)
+        results[path] = {k: v for k, v in evaluate_ttt(draft, target, rows, args.steps).items() if "full_acc" in k}
+        print(path, {k: round(v, 3) for k, v in results[path].items()}, flush=True)
+    if args.out:
+        command = "python examples/dev_accuracy.py " + " ".join(
+            f"--{k} {' '.join(v) if isinstance(v, list) else v}" for k, v in vars(args).items() if v is not None)
+        Path(args.out).with_suffix(".json").write_text(json.dumps({"command": command, "results": results}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
