@@ -250,7 +250,12 @@ def test_loss_has_gradients_only_for_the_draft(setup):
 
 def test_evaluate_ttt_weights_batches_by_positions(setup):
     """Rows of different lengths in batches of 1: the position-weighted means equal one padded batch's."""
-    from transformers_confu.ttt import evaluate_ttt, target_argmax, target_hidden, teacher_logits
+    from transformers_confu.ttt import (
+        evaluate_ttt,
+        target_argmax,
+        target_hidden,
+        teacher_logits,
+    )
 
     target, draft, _, _, _ = setup
     rows = [{"input_ids": tiny_batch(1, length, seed=length)["input_ids"][0].tolist(),
