@@ -25,6 +25,21 @@ from transformers_confu.questions import load_questions
 from transformers_confu.ttt import evaluate_ttt
 
 
+def dev_rows(answers: str, tokenizer) -> list[dict]:
+    """Tokenized conversations [dev question, answer, ...] from a confu-bench answer file."""
+    questions = {q["question_id"]: q for q in load_questions()}
+    conversations = []
+    for line in Path(answers).read_text().splitlines():
+        row = json.loads(line)
+        turns, replies = questions[row["question_id"]]["turns"], row["choices"][0]["turns"]
+        messages = []
+        for question, reply in zip(turns, replies):
+            messages += [{"role": "user", "content": question}, {"role": "assistant", "content": reply}]
+        conversations.append({"messages": messages})
+    tokenized = tokenize_conversations(datasets.Dataset.from_list(conversations), tokenizer)
+    return [tokenized[i] for i in range(len(tokenized))]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--answers", required=True, help="a confu-bench answer file of plain generate (generate.jsonl)")
@@ -33,17 +48,7 @@ def main() -> None:
     p.add_argument("--out", default=None, help="also write OUT.json")
     args = p.parse_args()
     target, tokenizer = load_target()
-    questions = {q["question_id"]: q for q in load_questions()}
-    conversations = []
-    for line in Path(args.answers).read_text().splitlines():
-        row = json.loads(line)
-        turns, answers = questions[row["question_id"]]["turns"], row["choices"][0]["turns"]
-        messages = []
-        for question, answer in zip(turns, answers):
-            messages += [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
-        conversations.append({"messages": messages})
-    tokenized = tokenize_conversations(datasets.Dataset.from_list(conversations), tokenizer)
-    rows = [tokenized[i] for i in range(len(tokenized))]
+    rows = dev_rows(args.answers, tokenizer)
     results = {}
     for path in args.drafts:
         draft = ConFuDraftModel.from_pretrained(path, dtype=torch.float32)

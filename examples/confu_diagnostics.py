@@ -1,0 +1,112 @@
+"""Does a ConFu draft use its future vector? Measurements on the target's own greedy dev answers.
+
+For each conversation [dev question, the target's greedy answer]: anchors as in training, the `[con]` pass
+(the future vectors f), then the draft's first TTT step with and without the `[f]` entries, at the answer
+positions that see an f:
+- `kl_with_vs_without`: mean KL(draft with f || draft without f): 0 means f changes nothing;
+- `full_acc_with_f` / `full_acc_without_f`: the draft's token == the target's greedy token;
+- `attention_on_f`: the draft's attention mass on the `[f]` entries (mean over heads and positions);
+- router statistics of the `[con]` MoE (routed by the target's state) and the `[f]` MoE: expert usage and
+  the spread of the router logits (a router at its initial scale has not learned to route), and the learned
+  `[f]` attention bias.
+
+    python examples/confu_diagnostics.py --answers results/eagle3_v2_dev_t0_answers/generate.jsonl \
+        --out results/confu_diagnostics
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+from dev_accuracy import dev_rows
+from transformers import DynamicCache
+
+from transformers_confu import load_target
+from transformers_confu.anchors import future_vectors, future_visibility, sample_anchors
+from transformers_confu.assistant import load_adapter, load_draft
+from transformers_confu.target import DEFAULT_DRAFT
+from transformers_confu.ttt import (
+    Future,
+    target_argmax,
+    target_hidden,
+    ttt_hidden_states,
+    ttt_valid_positions,
+)
+
+
+@torch.no_grad()
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--draft", default=str(DEFAULT_DRAFT))
+    p.add_argument("--answers", required=True, help="a confu-bench answer file of plain generate (generate.jsonl)")
+    p.add_argument("--anchor-ratio", type=float, default=0.1)
+    p.add_argument("--window", type=int, default=4)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", required=True, help="writes OUT.json and OUT.md")
+    args = p.parse_args()
+    target, tokenizer = load_target()
+    draft, adapter = load_draft(args.draft), load_adapter(args.draft)
+    draft.attach_target(target)
+    draft.self_attn.config._attn_implementation = "eager"  # to read the attention weights
+    weights = []
+    draft.self_attn.register_forward_hook(lambda module, inputs, out: weights.append(out[1]))
+    generator = torch.Generator().manual_seed(args.seed)
+    totals = dict(kl=0.0, acc_with=0.0, acc_without=0.0, attention=0.0, positions=0)
+    con_usage = torch.zeros(adapter.con_moe.router.out_features)
+    f_usage = torch.zeros(draft.future_moe.router.out_features)
+    con_spread, f_spread = [], []
+    for row in dev_rows(args.answers, tokenizer):
+        ids, loss_mask = torch.tensor([row["input_ids"]]), torch.tensor([row["loss_mask"]])
+        attention_mask, length = torch.ones_like(ids), ids.shape[1]
+        cache = DynamicCache(config=target.config)
+        features, last = target_hidden(target, ids, attention_mask, draft.config.feature_layers, cache)
+        target_ids = target_argmax(target, last)
+        anchors = sample_anchors(attention_mask, loss_mask, max(1, round(args.anchor_ratio * length)), generator)
+        vectors = future_vectors(target, adapter, cache, features, attention_mask, anchors, draft.config.feature_layers)
+        visible = future_visibility(anchors, attention_mask, args.window)
+        weights.clear()
+        with_f = ttt_hidden_states(draft, features, ids, attention_mask, 1, Future(vectors, anchors, visible))[0]
+        attention = weights[0][0, :, :length, length:].sum(-1).mean(0)  # (T,) mass on the [f] columns
+        without_f = ttt_hidden_states(draft, features, ids, attention_mask, 1)[0]
+        positions = (ttt_valid_positions(attention_mask, loss_mask, 0) & visible.any(-1))[0].nonzero()[:, 0]
+        if len(positions) == 0:
+            continue
+        log_with = torch.log_softmax(draft.logits(with_f[0, positions]).float(), -1)
+        log_without = torch.log_softmax(draft.logits(without_f[0, positions]).float(), -1)
+        wanted = target_ids[0, positions + 1]
+        totals["kl"] += float((log_with.exp() * (log_with - log_without)).sum())
+        totals["acc_with"] += float((draft.d2t[log_with.argmax(-1)] == wanted).sum())
+        totals["acc_without"] += float((draft.d2t[log_without.argmax(-1)] == wanted).sum())
+        totals["attention"] += float(attention[positions].sum())
+        totals["positions"] += len(positions)
+        states = features.gather(1, (anchors - 1)[..., None].expand(-1, -1, features.shape[-1]))[0]
+        con_logits = adapter.con_moe.router(states[:, -adapter.hidden_size:].to(adapter.soft_prompt.dtype))
+        f_logits = draft.future_moe.router(draft.fc(vectors[0].to(draft.fc.weight.dtype)))
+        con_usage += torch.bincount(con_logits.topk(adapter.con_moe.top_k, -1).indices.flatten(),
+                                    minlength=len(con_usage))
+        f_usage += torch.bincount(f_logits.topk(draft.future_moe.top_k, -1).indices.flatten(), minlength=len(f_usage))
+        con_spread.append(float(con_logits.std(-1).mean()))
+        f_spread.append(float(f_logits.std(-1).mean()))
+    n = totals["positions"]
+    result = dict(
+        draft=args.draft, positions=n, kl_with_vs_without=totals["kl"] / n, full_acc_with_f=totals["acc_with"] / n,
+        full_acc_without_f=totals["acc_without"] / n, attention_on_f=totals["attention"] / n,
+        future_attention_bias=float(draft.future_bias), con_router_logit_std=sum(con_spread) / len(con_spread),
+        f_router_logit_std=sum(f_spread) / len(f_spread), con_expert_usage=(con_usage / con_usage.sum()).tolist(),
+        f_expert_usage=(f_usage / f_usage.sum()).tolist(),
+        command="python examples/confu_diagnostics.py " + " ".join(f"--{k.replace('_', '-')} {v}"
+                                                                   for k, v in vars(args).items()))
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).with_suffix(".json").write_text(json.dumps(result, indent=2))
+    md = [f"# Does the ConFu draft use f?\n\n`{result['command']}`\n", "| measurement | value |", "|---|---|"]
+    md += [f"| {k} | {', '.join(f'{x:.3f}' for x in v) if isinstance(v, list) else (f'{v:.4f}' if isinstance(v, float) else v)} |"
+           for k, v in result.items() if k not in ("command", "draft")]
+    Path(args.out).with_suffix(".md").write_text("\n".join(md) + "\n")
+    print("\n".join(md))
+
+
+if __name__ == "__main__":
+    main()
