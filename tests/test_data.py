@@ -356,3 +356,17 @@ def test_real_training_files_load():
         "self_instruct_user_oriented.jsonl": 252,
         "ultrachat_ultra_eval.json": 385,
     }
+
+
+def test_static_cache_regeneration_gives_the_growing_cache_answers(tokenizer):
+    """The static-cache path (the default on CUDA: compiled there, shapes bucketed by wider left padding)
+    answers as the growing cache does."""
+    from transformers_confu.regenerate import RegenerationSettings, generate_answers
+
+    model = _tiny_chat_model(tokenizer)
+    prompts = [tokenizer.apply_chat_template(conv[:1], add_generation_prompt=True) for conv in REGEN_CONVS]
+    prompts = [p if isinstance(p, list) else p["input_ids"] for p in prompts]
+    settings = RegenerationSettings("tiny", max_new_tokens=6, temperature=0.0, top_p=1.0, seed=0)
+    growing = generate_answers(model, tokenizer, prompts, settings, seed=0, static=False)
+    static = generate_answers(model, tokenizer, prompts, settings, seed=0, static=True)
+    assert static == growing and any(growing[0])

@@ -78,6 +78,9 @@ def _drop_torn_tail(path: Path) -> None:
 
 
 
+STATIC_WIDTH_STEP = 64  # static-cache regeneration pads prompts to a multiple of this
+
+
 def _batches(prompt_ids: list[list[int]], batch_size: int, window: int = 8) -> list[list[int]]:
     """Indices in batches of similar prompt length: the order is kept window by window (`window` batches),
     sorted by length inside each window, so that a time-boxed run covers a random subset of a shuffled set."""
@@ -90,11 +93,17 @@ def _batches(prompt_ids: list[list[int]], batch_size: int, window: int = 8) -> l
 
 
 @torch.no_grad()
-def generate_answers(model, tokenizer, prompt_ids: list[list[int]], settings: RegenerationSettings, seed: int):
-    """Answer tokenized prompts in one left-padded batch with a growing KV cache; returns (texts, new-token
-    counts, ended with EOS). `seed` seeds the sampling (unused when greedy)."""
+def generate_answers(model, tokenizer, prompt_ids: list[list[int]], settings: RegenerationSettings, seed: int,
+                     static: bool | None = None):
+    """Answer tokenized prompts in one left-padded batch; returns (texts, new-token counts, ended with EOS).
+    `seed` seeds the sampling (unused when greedy). The KV cache grows in place (`growing_cache`), or with
+    `static` (default: on CUDA) it is transformers' static cache, which `generate` compiles: the padded width
+    is then rounded up to a multiple of `STATIC_WIDTH_STEP`, so that batches share compiled shapes."""
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    static = model.device.type == "cuda" if static is None else static
     width = max(len(p) for p in prompt_ids)
+    if static:
+        width = -(-width // STATIC_WIDTH_STEP) * STATIC_WIDTH_STEP
     input_ids = torch.full((len(prompt_ids), width), pad, dtype=torch.long)
     attention_mask = torch.zeros_like(input_ids)
     for row, ids in enumerate(prompt_ids):
@@ -108,7 +117,8 @@ def generate_answers(model, tokenizer, prompt_ids: list[list[int]], settings: Re
         max_new_tokens=settings.max_new_tokens, do_sample=sampling,
         temperature=settings.temperature if sampling else None, top_p=settings.top_p if sampling else None,
         top_k=0 if sampling else None, pad_token_id=pad,
-        **cache_kwargs(model, growing_cache(model.config, reserve=settings.max_new_tokens)),
+        **(dict(cache_implementation="static") if static
+           else cache_kwargs(model, growing_cache(model.config, reserve=settings.max_new_tokens))),
     )[:, width:].cpu()
     eos = model.generation_config.eos_token_id
     eos = torch.tensor([eos] if isinstance(eos, int) else list(eos or []), dtype=torch.long)
