@@ -310,3 +310,18 @@ def test_adapter_folder_is_a_peft_prompt_tuning_config_beside_the_moe(tmp_path):
     peft_file.write_text(peft_file.read_text().replace('"num_virtual_tokens": 7', '"num_virtual_tokens": 6'))
     with pytest.raises(ValueError, match="mixes two adapters"):
         ContemplateAdapter.from_pretrained(folder)
+
+
+@pytest.mark.parametrize("contemplate_nodes", [None, 2])
+def test_compiled_static_mode_with_contemplate_tokens(contemplate_nodes):
+    """ConFu's [con] tokens, soft prompt and [f] entry through the compiled static mode (eager backend,
+    fullgraph): token-identical to plain generate, and f is renewed."""
+    from test_sampling import compiled_static
+
+    target = tiny_target()
+    assistant = confu_assistant(target, contemplate_nodes=contemplate_nodes, depth=3, top_k=2, total_tokens=6)
+    for seed in range(2):
+        ids = torch.randint(0, 128, (1, 5 + 6 * seed), generator=torch.Generator().manual_seed(seed))
+        out = target.generate(ids, max_new_tokens=24, do_sample=False, assistant_model=assistant, **compiled_static())
+        assert torch.equal(out, plain(target, ids, max_new_tokens=24))
+        assert assistant.stats.mode == "static" and assistant.stats.fresh_futures > 0
