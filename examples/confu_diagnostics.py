@@ -27,7 +27,7 @@ from transformers import DynamicCache
 from transformers_confu import load_target
 from transformers_confu.anchors import future_vectors, future_visibility, sample_anchors
 from transformers_confu.assistant import load_adapter, load_draft
-from transformers_confu.target import DEFAULT_DRAFT
+from transformers_confu.target import CONFU_DRAFT
 from transformers_confu.ttt import (
     Future,
     target_argmax,
@@ -40,7 +40,7 @@ from transformers_confu.ttt import (
 @torch.no_grad()
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--draft", default=str(DEFAULT_DRAFT))
+    p.add_argument("--draft", default=str(CONFU_DRAFT))
     p.add_argument("--answers", required=True, help="a confu-bench answer file of plain generate (generate.jsonl)")
     p.add_argument("--anchor-ratio", type=float, default=0.1)
     p.add_argument("--window", type=int, default=4)

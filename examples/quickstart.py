@@ -1,4 +1,4 @@
-"""Quickstart: SmolLM2-135M-Instruct with the shipped ConFu draft, streamed answers, tau and speed-up.
+"""Quickstart: SmolLM2-135M-Instruct with the default shipped draft, streamed answers, tau and speed-up.
 
     python examples/quickstart.py [--max-new-tokens 128]
 """
