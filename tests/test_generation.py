@@ -10,7 +10,6 @@ from transformers import DynamicCache, GenerationConfig
 from transformers_confu import ConFuAssistant, ConFuDraftConfig
 from transformers_confu.cache import (
     cache_kwargs,
-    cache_length,
     keep_path,
     key_width,
     static_cache,
@@ -168,7 +167,7 @@ def test_kv_compaction_matches_sequential_forward(kind):
                       use_cache=True, **cache_kwargs(target, cache))
     path = [0, 1, 3, 5]
     keep_path(cache, 7, torch.tensor(path + [2, 4]), 4)
-    assert cache_length(cache) == 11
+    assert int(cache.get_seq_length()) == 11
     seq_cache = DynamicCache(config=target.config)
     seq_out = target(torch.cat([prefix, tree_tokens[:, path]], 1), use_cache=True, **cache_kwargs(target, seq_cache))
     torch.testing.assert_close(tree_out.logits[0, path], seq_out.logits[0, 7:], atol=1e-5, rtol=1e-4)

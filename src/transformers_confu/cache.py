@@ -16,11 +16,6 @@ def cache_kwargs(model: PreTrainedModel, cache: Cache) -> dict:
     return {name: cache}
 
 
-def cache_length(cache: Cache) -> int:
-    """Number of cached positions."""
-    return int(cache.get_seq_length())
-
-
 def is_static(cache: Cache) -> bool:
     return bool(cache.layers) and isinstance(cache.layers[0], StaticLayer)
 
