@@ -277,18 +277,16 @@ def test_compiled_static_mode_is_exact_without_graph_breaks_or_recompiles():
     """`compile_config` compiles the tree pass and draft step (here with the `eager` backend, which runs the
     captured graphs as they are: `fullgraph=True` fails on any graph break). Prompts of other lengths in the
     same capacity bucket, and later calls, reuse the compiled graphs and the caches."""
+    from test_sampling import compiled_static
     from torch._dynamo.utils import counters
-    from transformers import CompileConfig
 
     target = tiny_target()
     assistant = make_assistant(target, depth=3, top_k=2, total_tokens=6)
-    config = CompileConfig(backend="eager", fullgraph=True, dynamic=False)
-    config._compile_all_devices = True
     graphs = []
     for seed, length in enumerate([5, 11, 23]):
         ids = torch.randint(0, 128, (1, length), generator=torch.Generator().manual_seed(seed))
         out = target.generate(ids, max_new_tokens=30, do_sample=False, assistant_model=assistant,
-                              cache_implementation="static", compile_config=config)
+                              **compiled_static())
         assert torch.equal(out, plain(target, ids, max_new_tokens=30)), f"prompt of {length}"
         assert assistant.stats.mode == "static"
         assert (assistant.stats.compile_seconds > 0) == (seed == 0)

@@ -205,13 +205,10 @@ class ConFuAssistant:
                              "assistant: use 'static' (preallocated caches, compiled on CUDA) or leave it unset.")
         drafter = TreeDrafter(self.draft, budget.depth, budget.top_k, budget.total_tokens, temperature,
                               parts.get("draft_cache"), parts.get("draft_calls"))
-        output = speculative_generate(
+        return speculative_generate(
             target, drafter, self.draft.config.feature_layers, input_ids, config, max_new, self.stats,
             tokenizer, streamer, self.adapter, contemplate_nodes, parts.get("target"),
         )
-        if parts.get("fresh") and parts["target"].keep is not None:
-            self.stats.compile_seconds = self.stats.first_round_seconds
-        return output
 
     def _static_parts(self, config: GenerationConfig, length: int, budget: TreeBudget) -> dict[str, Any]:
         """Static mode: preallocated caches for target and draft, sized to `length` tokens plus the tree and
@@ -236,7 +233,7 @@ class ConFuAssistant:
         if parts is not None and parts["key"] == key:
             truncate_cache(parts["target"].cache, 0)
             truncate_cache(parts["draft_cache"], 0)
-            return {**parts, "fresh": False}
+            return parts
         cache = static_cache(self.target.config.num_hidden_layers, capacity)
         parts = {
             "key": key,
@@ -247,7 +244,7 @@ class ConFuAssistant:
                             "propose": torch.compile(draft_tree, **options)} if compile else None,
         }
         self._static = parts
-        return {**parts, "fresh": True}
+        return parts
 
 
 def load_draft(path_or_id: str | os.PathLike, **kwargs: Any) -> ConFuDraftModel:

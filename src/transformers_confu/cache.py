@@ -55,7 +55,7 @@ def keep_path(cache: Cache, start: int | torch.Tensor, path: torch.Tensor, lengt
     After a tree verify pass the tree's nodes sit at `start + i`; the accepted path's nodes (ascending, a
     fixed-size tensor whose entries past `length` are ignored) are moved down to `start, start + 1, ...` in
     place, then the tail is cut off. The copy has a fixed shape; on a static cache `start` and `length` may be
-    0-d device tensors, so that it needs no host sync and compiles once (`compiled_keep_path`).
+    0-d device tensors, so that it needs no host sync and compiles once (the static mode compiles it).
     """
     layer0 = cache.layers[0]
     width = path.numel() if isinstance(layer0, StaticLayer) else min(path.numel(), layer0.keys.shape[-2] - start)

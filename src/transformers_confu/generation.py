@@ -51,7 +51,6 @@ class SpeculativeStats:
 
     mode: str = "eager"
     compile_seconds: float = 0.0
-    first_round_seconds: float = 0.0
     new_tokens: int = 0
     target_forwards: int = 0
     accept_lengths: list[int] = field(default_factory=list)
@@ -103,11 +102,13 @@ def stopping_criteria(config: GenerationConfig, max_length: int, tokenizer=None)
 class StaticTarget:
     """What the static mode runs the target with: an empty static `cache`, the `call` that runs the
     fixed-shape tree passes (the model or its compiled call) and, compiled, `keep` (`keep_path` taking
-    device scalars), or None to run `keep_path` as it is."""
+    device scalars), or None to run `keep_path` as it is. `warm`: the compiled calls have run once (the
+    loop counts the first round of a cold one as `stats.compile_seconds`)."""
 
     cache: Cache
     call: Callable
     keep: Callable | None = None
+    warm: bool = False
 
 
 class _Target:
@@ -270,16 +271,17 @@ def speculative_generate(
             path, size, root = accept_sampling(tree, _probs(logits, warpers), drafter.d2t)
         last = path.gather(0, (size - 1)[None])
         next_ids = torch.cat([tree.tokens[path[1:]], root[None]]).scatter(0, size[None] - 1, root[None])[None]
-        con_hit = torch.zeros_like(last) if cons is None else (cons == last).any()[None].long()
+        hit = None if cons is None else cons == last  # the [con] of the last accepted node, if it had one
+        con_hit = torch.zeros_like(last) if hit is None else hit.any()[None].long()
         read = torch.cat([size[None], con_hit, next_ids[0]]).tolist()  # the round's one host sync
         n, fresh, accepted = read[0], read[1], read[2 : 2 + read[0]]
         count = n if static is None else size
         verify.keep(path, at, count)
         if fresh:
-            future = (con_features[(cons == last).int().argmax()], at + count - 1)
+            future = (con_features[hit.int().argmax()], at + count - 1)
             stats.fresh_futures += 1
-        if not stats.target_forwards:
-            stats.first_round_seconds = time.perf_counter() - t0
+        if compiled and not static.warm:
+            stats.compile_seconds, static.warm = time.perf_counter() - t0, True
         stats.draft_seconds += t1 - t0
         stats.verify_seconds += t2 - t1
         stats.target_forwards += 1

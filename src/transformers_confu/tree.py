@@ -228,7 +228,8 @@ def _select(draft, root, tokens, scores, parents, rows, row_children, row_q, tot
     root = torch.as_tensor(root, device=device).reshape(1)
     d2t = draft.d2t
     # children tables: rows of expanded candidates that were not kept land in a spare row N, dropped after
-    row_nodes = node_of[rows + 1].masked_fill(node_of[rows + 1] < 0, keep + 1)
+    row_nodes = node_of[rows + 1]
+    row_nodes = row_nodes.masked_fill(row_nodes < 0, keep + 1)
     child_tokens = torch.full((keep + 2, row_children.shape[1]), -1, dtype=torch.long, device=device)
     child_nodes = child_tokens.clone()
     child_tokens.index_copy_(0, row_nodes, d2t[tokens[row_children]])
