@@ -6,6 +6,9 @@
     chain is accepted) against plain `generate`, per tree budget, and the loop's own overhead: wall time
     outside the draft and target forwards.
 
+Both with each `--kernels` setting of the linear layers, in the same run: `mkl` (PyTorch's `F.linear`) and
+`onednn` (weights packed for oneDNN, `packed_linear`, what `load_target` gives on a CPU).
+
     python examples/bench_loop_ceiling.py --out results/loop_ceiling
 """
 
@@ -27,6 +30,7 @@ from transformers_confu import SpeculativeStats, load_target
 from transformers_confu.cache import cache_kwargs, truncate_cache
 from transformers_confu.generation import speculative_generate
 from transformers_confu.oracle import OracleDrafter
+from transformers_confu.packed_linear import packed_kernels
 from transformers_confu.questions import chat_input_ids, load_questions
 from transformers_confu.tree import additive_mask
 
@@ -95,15 +99,21 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=2, help="dev questions per category group")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--budgets", default="2:3,3:4,4:6,5:8,6:12,8:16", help="depth:total_tokens,...")
+    parser.add_argument("--kernels", default="mkl,onednn", help="linear kernels to compare: mkl, onednn")
     args = parser.parse_args()
     torch.manual_seed(0)
     model, tokenizer = load_target()
-    costs = verify_cost(model, args.context, [int(w) for w in args.widths.split(",")], args.repeats)
+    widths = [int(w) for w in args.widths.split(",")]
     questions = load_questions(per_category=args.prompts)
     prompts = [chat_input_ids(tokenizer, q["turns"][:1]) for q in questions if q["category"] in
                ("translation", "summarization", "qa", "math_reasoning", "rag", "writing")]
     budgets = [tuple(int(x) for x in b.split(":")) for b in args.budgets.split(",")]
-    speed = oracle_speed(model, tokenizer, prompts, budgets, args.max_new_tokens)
+    kernels = args.kernels.split(",")
+    costs, speed = {}, {}
+    for kernel in kernels:
+        with packed_kernels(kernel == "onednn"):
+            costs[kernel] = verify_cost(model, args.context, widths, args.repeats)
+            speed[kernel] = oracle_speed(model, tokenizer, prompts, budgets, args.max_new_tokens)
     result = dict(
         hardware=f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, CPU",
         target="SmolLM2-135M-Instruct (fp32, sdpa)", context=args.context, prompts=len(prompts),
@@ -112,18 +122,24 @@ def main() -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(result, indent=2))
+    first = costs[kernels[0]][widths[0]]
     lines = [f"# Loop ceiling: {result['target']}, {result['hardware']}", "",
              f"## Verify cost vs tree width (cache of {args.context} tokens, median of {args.repeats})", "",
-             "| width | ms | x width 1 |", "|---|---|---|"]
-    lines += [f"| {w} | {1000 * s:.1f} | {s / costs[min(costs)]:.2f} |" for w, s in costs.items()]
+             f"ms, and in brackets x width {widths[0]} of the same kernel; last column: x {kernels[0]} width {widths[0]}.", "",
+             "| width | " + " | ".join(kernels) + f" | {kernels[-1]} vs {kernels[0]} width {widths[0]} |",
+             "|---|" + "---|" * (len(kernels) + 1)]
+    for w in widths:
+        cells = [f"{1000 * costs[k][w]:.1f} ({costs[k][w] / costs[k][widths[0]]:.2f}x)" for k in kernels]
+        lines.append(f"| {w} | " + " | ".join(cells) + f" | {costs[kernels[-1]][w] / first:.2f}x |")
     lines += ["", f"## Oracle draft vs plain generate ({len(prompts)} dev prompts, {args.max_new_tokens} new tokens,"
-              " greedy, outputs checked identical)", "",
-              "| method | tau | tokens/s | speed-up | loop overhead |", "|---|---|---|---|---|"]
-    for row in speed:
-        tau, over = row.get("tau"), row.get("overhead")
-        lines.append(f"| {row['method']} | {tau:.2f} | {row['tokens_per_s']:.1f} | {row['speedup']:.2f}x | "
-                     f"{100 * over:.1f}% |" if tau else
-                     f"| {row['method']} | 1.00 | {row['tokens_per_s']:.1f} | 1.00x | - |")
+              " greedy, outputs checked identical; speed-up over plain generate with the same kernels)", "",
+              "| kernels | method | tau | tokens/s | speed-up | loop overhead |", "|---|---|---|---|---|---|"]
+    for kernel in kernels:
+        for row in speed[kernel]:
+            tau, over = row.get("tau"), row.get("overhead")
+            lines.append(f"| {kernel} | {row['method']} | {tau:.2f} | {row['tokens_per_s']:.1f} | {row['speedup']:.2f}x | "
+                         f"{100 * over:.1f}% |" if tau else
+                         f"| {kernel} | {row['method']} | 1.00 | {row['tokens_per_s']:.1f} | 1.00x | - |")
     lines += ["", f"Command: `python examples/bench_loop_ceiling.py {' '.join(sys.argv[1:])}`", ""]
     out.with_suffix(".md").write_text("\n".join(lines))
     print("\n".join(lines))

@@ -4,7 +4,10 @@
   in-place growing cache (`regenerate.py`), same prompts, same batch;
 - feature cache: target tokens/s of building it;
 - training: tokens/s of `ConFuTrainer` steps with the target in the loop (the old path) and from the feature
-  cache (draft only), same rows, same draft.
+  cache (draft only), same rows, same draft;
+
+each with every `--kernels` setting of the CPU linear layers: `mkl` (PyTorch's `F.linear`) and `onednn`
+(`packed_linear`: what `load_target` and `ConFuTrainer` use on a CPU).
 
     python examples/bench_throughput.py --data-dir ../shared/data/train --out results/throughput
 """
@@ -30,6 +33,7 @@ from transformers_confu.data import (
 )
 from transformers_confu.data_sources import find_sources, load_conversations
 from transformers_confu.feature_cache import build_feature_cache
+from transformers_confu.packed_linear import packed_kernels
 from transformers_confu.regenerate import RegenerationSettings, generate_answers
 from transformers_confu.target import load_target
 from transformers_confu.trainer import ConFuTrainer
@@ -93,6 +97,7 @@ def main() -> None:
     p.add_argument("--train-steps", type=int, default=6)
     p.add_argument("--vocab", type=int, default=16384)
     p.add_argument("--ttt-steps", type=int, default=5)
+    p.add_argument("--kernels", default="mkl,onednn", help="CPU linear kernels to compare: mkl, onednn")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     model, tokenizer = load_target()
@@ -101,9 +106,13 @@ def main() -> None:
     result = {"command": "python examples/bench_throughput.py " + " ".join(
         f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()),
         "hardware": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, fp32",
-        "regeneration": regeneration(model, tokenizer, conversations, args.regen_batch, args.regen_tokens)}
-    with tempfile.TemporaryDirectory() as tmp:
-        result["training"] = training(model, rows, args.train_steps, args.vocab, args.ttt_steps, Path(tmp))
+        "regeneration": {}, "training": {}}
+    for kernel in args.kernels.split(","):
+        with packed_kernels(kernel == "onednn"), tempfile.TemporaryDirectory() as tmp:
+            for name, r in regeneration(model, tokenizer, conversations, args.regen_batch, args.regen_tokens).items():
+                result["regeneration"][f"{kernel}, {name}"] = r
+            for name, r in training(model, rows, args.train_steps, args.vocab, args.ttt_steps, Path(tmp)).items():
+                result["training"][f"{kernel}, {name}"] = r
     Path(args.out).with_suffix(".json").write_text(json.dumps(result, indent=2))
     md = [f"# Throughput on this machine\n\n`{result['command']}`\n\n{result['hardware']}; every row of a table was "
           "measured in the same run.\n", "| path | tokens | seconds | tokens/s |", "|---|---|---|---|"]
@@ -111,8 +120,10 @@ def main() -> None:
         for name, r in result[section].items():
             if isinstance(r, dict):
                 md.append(f"| {section}: {name} | {r['tokens']} | {r['seconds']:.1f} | {r['tokens_per_second']:.0f} |")
-    md.append(f"\nFeature cache on disk: {result['training']['feature cache size GB']:.3f} GB for "
-              f"{result['training']['feature cache build']['tokens']} tokens.")
+    sizes = {k: v for k, v in result["training"].items() if k.endswith("size GB")}
+    builds = {k: v for k, v in result["training"].items() if k.endswith("feature cache build")}
+    md.append(f"\nFeature cache on disk: {next(iter(sizes.values())):.3f} GB for "
+              f"{next(iter(builds.values()))['tokens']} tokens.")
     Path(args.out).with_suffix(".md").write_text("\n".join(md) + "\n")
     print("\n".join(md))
 

@@ -28,6 +28,7 @@ from .contemplate import ADAPTER_FOLDER, ContemplateAdapter
 from .eagle3_format import is_eagle3_config, load_eagle3, read_config, save_eagle3
 from .generation import SpeculativeStats, StaticTarget, TreeBudget, speculative_generate
 from .modeling_confu import ConFuDraftModel
+from .packed_linear import pack_linear_weights
 from .tree import TreeDrafter, catch_up_step, draft_tree
 
 # generate() options that change the output in ways this loop does not reproduce, with neutral values.
@@ -87,6 +88,10 @@ class ConFuAssistant:
         if adapter is not None:
             adapter.check_target(target_model)
             adapter = adapter.to(device=weight.device, dtype=weight.dtype).eval().requires_grad_(False)
+        if weight.device.type == "cpu":
+            pack_linear_weights(self.draft)
+            if adapter is not None:
+                pack_linear_weights(adapter)
         self.adapter = adapter
         self.contemplate_nodes = contemplate_nodes if contemplate_nodes is not None else draft.config.contemplate_nodes
         self.target = target_model

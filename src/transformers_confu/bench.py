@@ -24,6 +24,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .assistant import ConFuAssistant
+from .packed_linear import packed_kernels
 from .quality import quality_check, quality_markdown
 from .questions import (
     DEFAULT_QUESTIONS,
@@ -318,15 +319,22 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="a smaller same-tokenizer model (folder or Hub id) for transformers' assisted decoding")
     p.add_argument("--prompt-lookup", type=int, default=10, help="prompt-lookup tokens (0 = leave it out)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--kernels", choices=["onednn", "mkl"], default="onednn",
+                   help="CPU linear layers: onednn (packed weights, what load_target gives) or mkl (plain F.linear)")
     p.add_argument("--out", default="results/bench", help="output path prefix (.md, .json, .png, answers/)")
     return p.parse_args(argv)
 
 
 def main(argv=None) -> dict:
     """Run the benchmark and write `<out>.md`, `<out>.json`, `<out>.png` and `<out>_answers/<method>.jsonl`."""
+    args = parse_args(argv)
+    with packed_kernels(args.kernels == "onednn"):
+        return _main(args, argv)
+
+
+def _main(args: argparse.Namespace, argv) -> dict:
     import sys
 
-    args = parse_args(argv)
     torch.manual_seed(args.seed)
     dtype = args.dtype or ("bfloat16" if str(args.device).startswith("cuda") else "float32")
     model, tokenizer = load_target(args.target, torch_dtype=getattr(torch, dtype), device=args.device)
@@ -357,7 +365,8 @@ def main(argv=None) -> dict:
     records, mismatches, warmup = run_bench(model, tokenizer, methods, questions, args.max_new_tokens, args.seed,
                                             greedy)
     table = summarize(records, greedy, mismatches)
-    meta = dict(target=args.target, hardware=f"{platform.machine()} CPU, {torch.get_num_threads()} threads"
+    meta = dict(target=args.target, hardware=f"{platform.machine()} CPU, {torch.get_num_threads()} threads, "
+                f"{args.kernels} linear kernels"
                 if model.device.type == "cpu" else torch.cuda.get_device_name(model.device), dtype=dtype,
                 questions=len(questions),
                 question_file=args.questions or PACKAGED_QUESTIONS, max_new_tokens=args.max_new_tokens, temperature=args.temperature,

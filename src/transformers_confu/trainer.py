@@ -31,6 +31,7 @@ from .checkpoints import checkpoint_problem, latest_complete_checkpoint
 from .configuration_confu import ConFuDraftConfig
 from .contemplate import ADAPTER_FOLDER, ContemplateAdapter
 from .modeling_confu import ConFuDraftModel
+from .packed_linear import pack_linear_weights
 from .training_args import ConFuTrainingArguments
 from .ttt import target_argmax, target_hidden, teacher_logits, ttt_loss
 
@@ -99,6 +100,9 @@ class ConFuTrainer(Trainer):
     trained jointly with the draft through `[con]` tokens after sampled anchors (`anchors.py`);
     checkpoints then also hold `contemplate_adapter/`.
 
+    On a CPU the draft's and the target's linear layers run on oneDNN (`packed_linear`), about twice
+    MKL's speed on AMD CPUs; parameters and checkpoints are unchanged.
+
     Checkpoints are written atomically (a kill while saving leaves the earlier ones intact), and
     `resume_from_checkpoint=True` resumes from the newest complete one.
     """
@@ -121,6 +125,9 @@ class ConFuTrainer(Trainer):
         super().__init__(model=model if adapter is None else DraftWithAdapter(model, adapter), args=args, **kwargs)
         self.target_model = target_model.requires_grad_(False).eval().to(self.args.device)
         model.attach_target(self.target_model)
+        if self.args.device.type == "cpu":  # oneDNN linear layers, in the forward and backward passes
+            pack_linear_weights(self.model)
+            pack_linear_weights(self.target_model)
         self.loss_is_scaled_for_ga = False  # ttt_loss is a per-batch mean
         self._ttt_correct = torch.zeros(args.ttt_steps, device=self.args.device)
         self._ttt_full_correct = torch.zeros(args.ttt_steps, device=self.args.device)
