@@ -4,7 +4,7 @@ PyTorch's `F.linear` on x86 goes to MKL's GEMM, which re-packs the weight on eve
 runs its slow path: on this project's 2-core AMD EPYC (AVX-512), one decode step of SmolLM2-135M spends
 87% of its time there, and a 4-token tree costs 1.6x one token. oneDNN's linear with the weight reordered
 once into its blocked layout is faster at every size and costs about the same for 1 to 16 rows
-(`results/packed_linear.md`). `pack_linear_weights(model)` keeps every `nn.Linear` as it is (same
+(`results/loop_ceiling.md`, `results/throughput.md`). `pack_linear_weights(model)` keeps every `nn.Linear` as it is (same
 parameters, same `state_dict`) and adds the packed copy beside its weight. The layer uses it for CPU inputs
 of the weight's dtype (float32, bfloat16), outside autocast and `torch.compile` tracing, and falls back to
 `F.linear` otherwise. With gradients (training a draft) the output, input-gradient and weight-gradient
