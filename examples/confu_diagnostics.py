@@ -65,7 +65,8 @@ def main() -> None:
         features, last = target_hidden(target, ids, attention_mask, draft.config.feature_layers, cache)
         target_ids = target_argmax(target, last)
         anchors = sample_anchors(attention_mask, loss_mask, max(1, round(args.anchor_ratio * length)), generator)
-        vectors = future_vectors(target, adapter, cache, features, attention_mask, anchors, draft.config.feature_layers)
+        vectors, _ = future_vectors(target, adapter, cache, features, attention_mask, anchors,
+                                    draft.config.feature_layers)
         visible = future_visibility(anchors, attention_mask, args.window)
         weights.clear()
         with_f = ttt_hidden_states(draft, features, ids, attention_mask, 1, Future(vectors, anchors, visible))[0]

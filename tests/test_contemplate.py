@@ -182,8 +182,8 @@ def test_future_vectors_match_a_direct_forward(arch, lag):
     layers = [1, 2, 3]
     features, _ = target_features_and_logits(target, ids, attention, layers, torch.arange(64), cache)
     anchors = torch.tensor([[2, 6], [4, 8]])
-    f = future_vectors(target, adapter, cache, features, attention, anchors, layers,
-                       None if lag is None else torch.tensor(lag))
+    f, hidden = future_vectors(target, adapter, cache, features, attention, anchors, layers,
+                               None if lag is None else torch.tensor(lag))
     for b in range(2):
         for k in range(2):
             a = int(anchors[b, k])
@@ -200,6 +200,7 @@ def test_future_vectors_match_a_direct_forward(arch, lag):
                                     output_hidden_states=True)
             direct = torch.cat([out.hidden_states[i][0, -1] for i in layers])
             torch.testing.assert_close(f[b, k], direct, rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(hidden[b, k], out.last_hidden_state[0, -1], rtol=1e-4, atol=1e-5)
 
 
 def test_gradients_reach_the_adapter_only_through_contemplate_tokens():
@@ -228,6 +229,74 @@ def test_gradients_reach_the_adapter_only_through_contemplate_tokens():
     loss, _ = ttt_loss(draft, features, logits, ids, loss_mask, attention, steps=2, future=blind)
     loss.backward()
     assert all(p.grad is None or p.grad.abs().sum() == 0 for p in adapter.parameters())
+
+
+def test_future_token_loss_reads_the_con_through_the_target_head():
+    """The auxiliary loss is the cross-entropy of the [con] after anchor a (target head, draft vocabulary)
+    against the target's greedy token at a + 1; labels outside the draft vocabulary and anchors at the end
+    are left out; its gradient reaches the adapter and not the target."""
+    from transformers_confu.anchors import future_token_loss, future_vectors
+    from transformers_confu.ttt import Future, target_argmax, target_hidden
+
+    target = tiny_target()
+    adapter = ContemplateAdapter.for_target(target, num_soft_tokens=3)
+    ids = torch.randint(0, 128, (2, 12))
+    attention = torch.ones_like(ids)
+    cache = DynamicCache(config=target.config)
+    features, last = target_hidden(target, ids, attention, [1, 2, 3], cache)
+    target_ids = target_argmax(target, last)
+    anchors = torch.tensor([[2, 5, 11], [3, 7, 9]])
+    excluded = int(target_ids[0, 3])  # the label of the first anchor: left out of the draft vocabulary
+    d2t = torch.tensor([i for i in range(128) if i != excluded])
+    vectors, hidden = future_vectors(target, adapter, cache, features, attention, anchors, [1, 2, 3])
+    future = Future(vectors, anchors, torch.zeros(2, 12, 3, dtype=torch.bool), hidden)
+    loss, accuracy, count = future_token_loss(target, future, target_ids, attention, d2t)
+    losses, hits = [], []
+    for b in range(2):
+        for k in range(3):
+            a = int(anchors[b, k])
+            label = int(target_ids[b, a + 1]) if a + 1 < 12 else excluded
+            if label == excluded:
+                continue
+            index = int((d2t == label).nonzero())
+            logits = target.lm_head(hidden[b, k])[d2t]
+            losses.append(torch.nn.functional.cross_entropy(logits[None], torch.tensor([index])))
+            hits.append(float(logits.argmax() == index))
+    assert 0 < count == len(losses) <= 4
+    torch.testing.assert_close(loss, torch.stack(losses).mean())
+    assert accuracy.item() == pytest.approx(sum(hits) / len(hits))
+    loss.backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in adapter.parameters())
+    assert all(p.grad is None for p in target.parameters())
+
+
+def test_confu_training_with_future_token_weight_adds_the_loss_and_logs_it(tmp_path):
+    from transformers import default_data_collator
+
+    from transformers_confu.trainer import ConFuTrainer
+    from transformers_confu.training_args import ConFuTrainingArguments
+
+    target = tiny_target()
+    config = ConFuDraftConfig.for_target(target, draft_vocab_size=64, contemplate=True)
+    torch.manual_seed(0)
+    rows = [{"input_ids": torch.randint(0, 128, (16,)), "attention_mask": torch.ones(16, dtype=torch.long),
+             "loss_mask": torch.ones(16, dtype=torch.long)} for _ in range(4)]
+    losses = {}
+    for weight in (0.0, 1.0):
+        torch.manual_seed(1)
+        draft, adapter = ConFuDraftModel(config), ContemplateAdapter.for_target(target, num_soft_tokens=3)
+        args = ConFuTrainingArguments(output_dir=str(tmp_path / str(weight)), max_steps=2, per_device_train_batch_size=2,
+                                      logging_steps=1, save_strategy="no", report_to="none", use_cpu=True,
+                                      ttt_steps=2, anchor_ratio=0.25, future_token_weight=weight)
+        trainer = ConFuTrainer(model=draft, target_model=target, args=args, adapter=adapter, train_dataset=rows,
+                               data_collator=default_data_collator)
+        batch = default_data_collator(rows[:2])
+        torch.manual_seed(2)  # the same anchors for both weights
+        losses[weight] = trainer.compute_loss(trainer.model, batch).item()
+        trainer.train()
+        logged = [log for log in trainer.state.log_history if "loss" in log]
+        assert ("future_token_acc" in logged[0]) == (weight > 0)
+    assert losses[1.0] > losses[0.0]  # a cross-entropy over 64 draft tokens is well above 0
 
 
 def test_confu_round_trip_and_errors(tmp_path):

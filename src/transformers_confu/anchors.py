@@ -11,6 +11,7 @@ t - a < window, so the draft learns that nearby tokens share a future and copes 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from transformers import DynamicCache, PreTrainedModel
 
 from .cache import cache_kwargs
@@ -59,8 +60,9 @@ def future_vectors(
     anchors: torch.LongTensor,
     feature_layers: list[int],
     route_lag: torch.LongTensor | None = None,
-) -> torch.Tensor:
-    """The `[con]` pass: (B, K, 3H) future vectors at the anchors, with gradients into `adapter`.
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The `[con]` pass: (B, K, 3H) future vectors at the anchors and (B, K, H) the `[con]` tokens' final
+    (normed) hidden states, with gradients into `adapter`.
 
     Args:
         real_cache: the real tokens' keys and values from the no-grad target pass.
@@ -85,7 +87,7 @@ def future_vectors(
                             target.dtype)
     out = target.base_model(inputs_embeds=embeds, position_ids=anchors + 1, attention_mask=mask, use_cache=True,
                             output_hidden_states=True, **cache_kwargs(target.base_model, cache))
-    return torch.cat([out.hidden_states[i] for i in feature_layers], dim=-1)
+    return torch.cat([out.hidden_states[i] for i in feature_layers], dim=-1), out.last_hidden_state
 
 
 def contemplate_future(
@@ -106,5 +108,33 @@ def contemplate_future(
     count = max(1, round(anchor_ratio * attention_mask.shape[1]))
     anchors = sample_anchors(attention_mask, loss_mask, count)
     lag = torch.randint(0, max_route_lag + 1, anchors.shape, device=anchors.device) if max_route_lag else None
-    vectors = future_vectors(target, adapter, real_cache, features, attention_mask, anchors, feature_layers, lag)
-    return Future(vectors, anchors, future_visibility(anchors, attention_mask, window))
+    vectors, hidden = future_vectors(target, adapter, real_cache, features, attention_mask, anchors, feature_layers,
+                                     lag)
+    return Future(vectors, anchors, future_visibility(anchors, attention_mask, window), hidden)
+
+
+def future_token_loss(target: PreTrainedModel, future: Future, target_ids: torch.LongTensor,
+                      attention_mask: torch.Tensor, d2t: torch.LongTensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """The auxiliary "contemplate" loss: the `[con]` after anchor a, read through the target's own output head
+    (restricted to the draft vocabulary `d2t`), should predict the target's next token after a + 1, i.e. the
+    token two ahead of the anchor, which the draft's next round must guess. Gradients reach the soft prompt
+    and the `[con]` MoE only (the target is frozen), so f learns to carry that future token.
+
+    Returns (mean cross-entropy, accuracy, count) over the anchors whose a + 1 is a real position and whose
+    label is in the draft vocabulary (a zero loss with count 0 when there is none).
+    """
+    anchors, length = future.anchors, attention_mask.shape[1]
+    after = (anchors + 1).clamp(max=length - 1)
+    labels = target_ids.gather(1, after)
+    to_draft = torch.full((target.config.vocab_size,), -1, dtype=torch.long, device=d2t.device)
+    to_draft[d2t] = torch.arange(len(d2t), device=d2t.device)
+    labels = to_draft[labels]
+    valid = (anchors + 1 < length) & attention_mask.gather(1, after).bool() & (labels >= 0)
+    head = target.get_output_embeddings()
+    bias = None if head.bias is None else head.bias[d2t]
+    logits = F.linear(future.hidden[valid].to(head.weight.dtype), head.weight[d2t], bias).float()
+    count = int(valid.sum())
+    if count == 0:
+        return future.hidden.sum() * 0, logits.new_zeros(()), 0
+    labels = labels[valid]
+    return F.cross_entropy(logits, labels), (logits.argmax(-1) == labels).float().mean(), count

@@ -91,6 +91,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--route-lag", type=int, default=0,
                    help="ConFu: route each [con] by a state up to this many tokens older, as inference routes a "
                    "tree's deeper [con] tokens (e.g. the tree depth - 1; 0: the state just before the anchor)")
+    p.add_argument("--future-token-weight", type=float, default=0.0,
+                   help="ConFu: weight of an auxiliary loss making each [con] predict, through the target's head, the "
+                   "target's token two ahead of its anchor (0: off)")
     p.add_argument("--contemplate-lr-scale", type=float, default=10.0,
                    help="ConFu: learning-rate multiplier of the adapter and [f] MoE (fresh modules)")
     p.add_argument("--ttt-steps", type=int, default=None, help="training-time-test depth (default: the --tree depth + 1)")
@@ -185,6 +188,7 @@ def main(argv: list[str] | None = None) -> None:
     training_args = ConFuTrainingArguments(
         output_dir=args.output_dir, ttt_steps=args.ttt_steps, max_minutes=args.max_minutes,
         anchor_ratio=args.anchor_ratio, replication_window=args.replication_window, route_lag=args.route_lag,
+        future_token_weight=args.future_token_weight,
         contemplate_lr_scale=args.contemplate_lr_scale,
         num_train_epochs=args.epochs, per_device_train_batch_size=args.batch_size,
         gradient_accumulation_steps=args.grad_accum, learning_rate=args.lr, warmup_steps=args.warmup_steps,

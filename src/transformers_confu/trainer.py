@@ -25,7 +25,7 @@ from transformers.trainer_pt_utils import LengthGroupedSampler
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 from transformers.utils import SAFE_WEIGHTS_NAME
 
-from .anchors import contemplate_future
+from .anchors import contemplate_future, future_token_loss
 from .atomic import publish_dir
 from .checkpoints import checkpoint_problem, latest_complete_checkpoint
 from .configuration_confu import ConFuDraftConfig
@@ -132,6 +132,8 @@ class ConFuTrainer(Trainer):
         self._ttt_correct = torch.zeros(args.ttt_steps, device=self.args.device)
         self._ttt_full_correct = torch.zeros(args.ttt_steps, device=self.args.device)
         self._ttt_count = torch.zeros(args.ttt_steps, device=self.args.device)
+        self._future_correct = torch.zeros((), device=self.args.device)
+        self._future_count = torch.zeros((), device=self.args.device)
         self._staging_dir: str | None = None
         if args.max_minutes is not None:
             self.add_callback(MaxMinutesCallback(args.max_minutes))
@@ -168,6 +170,10 @@ class ConFuTrainer(Trainer):
             model, features, target_logits, input_ids, inputs["loss_mask"], attention_mask,
             steps=self.args.ttt_steps, decay=self.args.ttt_decay, future=future, target_ids=target_ids,
         )
+        if future is not None and self.args.future_token_weight > 0:
+            aux, accuracy, count = future_token_loss(self.target_model, future, target_ids, attention_mask, draft.d2t)
+            loss = loss + self.args.future_token_weight * aux
+            metrics.update(future_token_acc=accuracy, future_token_count=count)
         if model.training:
             self._accumulate_accuracy(metrics)
         return (loss, metrics) if return_outputs else loss
@@ -195,7 +201,13 @@ class ConFuTrainer(Trainer):
                 if n > 0:
                     logs[f"ttt_acc_{step}"] = c / n
                     logs[f"ttt_full_acc_{step}"] = f / n
-            for buffer in (self._ttt_correct, self._ttt_full_correct, self._ttt_count):
+            if self.args.future_token_weight > 0:
+                future = self.accelerator.reduce(torch.stack([self._future_correct, self._future_count]),
+                                                 reduction="sum").tolist()
+                if future[1] > 0:
+                    logs["future_token_acc"] = future[0] / future[1]
+            for buffer in (self._ttt_correct, self._ttt_full_correct, self._ttt_count, self._future_correct,
+                           self._future_count):
                 buffer.zero_()
         super().log(logs, start_time)
 
@@ -302,6 +314,9 @@ class ConFuTrainer(Trainer):
             raise ValueError(f"Cannot resume from {checkpoint}: {error}") from error
 
     def _accumulate_accuracy(self, metrics: dict[str, torch.Tensor]) -> None:
+        if "future_token_count" in metrics:
+            self._future_correct += metrics["future_token_acc"] * metrics["future_token_count"]
+            self._future_count += metrics["future_token_count"]
         for step in range(self.args.ttt_steps):
             count = metrics[f"count_{step}"]
             self._ttt_correct[step] += metrics[f"acc_{step}"] * count

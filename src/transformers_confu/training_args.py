@@ -29,6 +29,10 @@ class ConFuTrainingArguments(TrainingArguments):
         default=0, metadata={"help": "ConFu: route each [con] by a state up to this many tokens older (uniform), "
                              "as inference routes a tree's deeper [con] tokens (0: the state before the anchor)."}
     )
+    future_token_weight: float = field(
+        default=0.0, metadata={"help": "ConFu: weight of the auxiliary loss that makes each [con] token predict, "
+                               "through the target's head, the target's token two ahead of its anchor (0: off)."}
+    )
     contemplate_lr_scale: float = field(
         default=10.0, metadata={"help": "ConFu: learning-rate multiplier of the adapter and the [f] MoE."}
     )
@@ -53,6 +57,8 @@ class ConFuTrainingArguments(TrainingArguments):
             raise ValueError(f"anchor_ratio={self.anchor_ratio} must be in (0, 1].")
         if self.contemplate_lr_scale <= 0:
             raise ValueError(f"contemplate_lr_scale={self.contemplate_lr_scale} must be > 0.")
+        if self.future_token_weight < 0:
+            raise ValueError(f"future_token_weight={self.future_token_weight} must be >= 0.")
         if self.route_lag < 0:
             raise ValueError(f"route_lag={self.route_lag} must be >= 0.")
         if self.replication_window < 1:

@@ -31,11 +31,13 @@ from .tree import to_additive
 
 class Future(NamedTuple):
     """ConFu's future vectors for a batch: `vectors` (B, K, 3H) read at the `[con]` after each anchor,
-    `anchors` (B, K) the anchor positions, `visible` (B, T, K) which draft positions see which vector."""
+    `anchors` (B, K) the anchor positions, `visible` (B, T, K) which draft positions see which vector;
+    `hidden` (B, K, H) the `[con]` tokens' final (normed) hidden states, if kept."""
 
     vectors: torch.Tensor
     anchors: torch.LongTensor
     visible: torch.Tensor
+    hidden: torch.Tensor | None = None
 
 
 def target_hidden(
