@@ -6,6 +6,8 @@ positions that see an f:
 - `kl_with_vs_without`: mean KL(draft with f || draft without f): 0 means f changes nothing;
 - `full_acc_with_f` / `full_acc_without_f`: the draft's token == the target's greedy token;
 - `attention_on_f`: the draft's attention mass on the `[f]` entries (mean over heads and positions);
+- `con_future_token_acc`: the `[con]` itself, read through the target's head (draft vocabulary), predicting
+  the target's token two ahead of its anchor (what `--future-token-weight` trains);
 - router statistics of the `[con]` MoE (routed by the target's state) and the `[f]` MoE: expert usage and
   the spread of the router logits (a router at its initial scale has not learned to route), and the learned
   `[f]` attention bias.
@@ -25,7 +27,12 @@ from dev_accuracy import dev_rows
 from transformers import DynamicCache
 
 from transformers_confu import load_target
-from transformers_confu.anchors import future_vectors, future_visibility, sample_anchors
+from transformers_confu.anchors import (
+    future_token_loss,
+    future_vectors,
+    future_visibility,
+    sample_anchors,
+)
 from transformers_confu.assistant import load_adapter, load_draft
 from transformers_confu.target import CONFU_DRAFT
 from transformers_confu.ttt import (
@@ -54,7 +61,7 @@ def main() -> None:
     weights = []
     draft.self_attn.register_forward_hook(lambda module, inputs, out: weights.append(out[1]))
     generator = torch.Generator().manual_seed(args.seed)
-    totals = dict(kl=0.0, acc_with=0.0, acc_without=0.0, attention=0.0, positions=0)
+    totals = dict(kl=0.0, acc_with=0.0, acc_without=0.0, attention=0.0, positions=0, con_hits=0.0, con_count=0)
     con_usage = torch.zeros(adapter.con_moe.router.out_features)
     f_usage = torch.zeros(draft.future_moe.router.out_features)
     con_spread, f_spread = [], []
@@ -65,9 +72,13 @@ def main() -> None:
         features, last = target_hidden(target, ids, attention_mask, draft.config.feature_layers, cache)
         target_ids = target_argmax(target, last)
         anchors = sample_anchors(attention_mask, loss_mask, max(1, round(args.anchor_ratio * length)), generator)
-        vectors, _ = future_vectors(target, adapter, cache, features, attention_mask, anchors,
-                                    draft.config.feature_layers)
+        vectors, hidden = future_vectors(target, adapter, cache, features, attention_mask, anchors,
+                                         draft.config.feature_layers)
         visible = future_visibility(anchors, attention_mask, args.window)
+        _, con_acc, con_count = future_token_loss(target, Future(vectors, anchors, visible, hidden), target_ids,
+                                                  attention_mask, draft.d2t)
+        totals["con_hits"] += float(con_acc) * con_count
+        totals["con_count"] += con_count
         weights.clear()
         with_f = ttt_hidden_states(draft, features, ids, attention_mask, 1, Future(vectors, anchors, visible))[0]
         attention = weights[0][0, :, :length, length:].sum(-1).mean(0)  # (T,) mass on the [f] columns
@@ -95,6 +106,7 @@ def main() -> None:
     result = dict(
         draft=args.draft, positions=n, kl_with_vs_without=totals["kl"] / n, full_acc_with_f=totals["acc_with"] / n,
         full_acc_without_f=totals["acc_without"] / n, attention_on_f=totals["attention"] / n,
+        con_future_token_acc=totals["con_hits"] / max(totals["con_count"], 1),
         future_attention_bias=float(draft.future_bias), con_router_logit_std=sum(con_spread) / len(con_spread),
         f_router_logit_std=sum(f_spread) / len(f_spread), con_expert_usage=(con_usage / con_usage.sum()).tolist(),
         f_expert_usage=(f_usage / f_usage.sum()).tolist(),
