@@ -120,10 +120,9 @@ def main() -> None:
         for name, r in result[section].items():
             if isinstance(r, dict):
                 md.append(f"| {section}: {name} | {r['tokens']} | {r['seconds']:.1f} | {r['tokens_per_second']:.0f} |")
-    sizes = {k: v for k, v in result["training"].items() if k.endswith("size GB")}
-    builds = {k: v for k, v in result["training"].items() if k.endswith("feature cache build")}
-    md.append(f"\nFeature cache on disk: {next(iter(sizes.values())):.3f} GB for "
-              f"{next(iter(builds.values()))['tokens']} tokens.")
+    first = args.kernels.split(",")[0]
+    md.append(f"\nFeature cache on disk: {result['training'][f'{first}, feature cache size GB']:.3f} GB for "
+              f"{result['training'][f'{first}, feature cache build']['tokens']} tokens.")
     Path(args.out).with_suffix(".md").write_text("\n".join(md) + "\n")
     print("\n".join(md))
 

@@ -48,7 +48,7 @@ def main() -> None:
     torch.manual_seed(args.seed)
     rng = random.Random(args.seed)
     model, tokenizer = load_target(args.target)
-    prefix, end = user_prefix(tokenizer), tokenizer.convert_ids_to_tokens(tokenizer.eos_token_id)
+    prefix, eos = user_prefix(tokenizer), tokenizer.eos_token_id
     seen, prompts, tries = set(), [], 0
     bar = tqdm(total=args.count, desc="self prompts")
     while len(prompts) < args.count and tries < 20 * args.count:
@@ -58,10 +58,10 @@ def main() -> None:
                              top_p=args.top_p, max_new_tokens=args.max_new_tokens, num_return_sequences=args.batch_size,
                              pad_token_id=tokenizer.eos_token_id)
         tries += args.batch_size
-        for row in out[:, ids.shape[1]:]:
-            if tokenizer.eos_token_id not in row.tolist():
+        for row in out[:, ids.shape[1]:].tolist():
+            if eos not in row:
                 continue  # cut by max_new_tokens: not a complete request
-            text = (opener + tokenizer.decode(row, skip_special_tokens=False).split(end)[0]).strip()
+            text = (opener + tokenizer.decode(row[: row.index(eos)])).strip()
             words = len(text.split())
             if not 4 <= words <= 150 or text.lower() in seen:
                 continue

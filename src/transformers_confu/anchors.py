@@ -16,7 +16,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from .cache import cache_kwargs
 from .contemplate import ContemplateAdapter, soft_prompt_mask
-from .ttt import Future, ttt_valid_positions
+from .ttt import Future, draft_vocab_logits, ttt_valid_positions
 
 
 def sample_anchors(attention_mask: torch.Tensor, loss_mask: torch.Tensor, count: int,
@@ -130,9 +130,7 @@ def future_token_loss(target: PreTrainedModel, future: Future, target_ids: torch
     to_draft[d2t] = torch.arange(len(d2t), device=d2t.device)
     labels = to_draft[labels]
     valid = (anchors + 1 < length) & attention_mask.gather(1, after).bool() & (labels >= 0)
-    head = target.get_output_embeddings()
-    bias = None if head.bias is None else head.bias[d2t]
-    logits = F.linear(future.hidden[valid].to(head.weight.dtype), head.weight[d2t], bias).float()
+    logits = draft_vocab_logits(target, future.hidden[valid], d2t).float()
     count = int(valid.sum())
     if count == 0:
         return future.hidden.sum() * 0, logits.new_zeros(()), 0

@@ -4,8 +4,8 @@ PyTorch's `F.linear` on x86 goes to MKL's GEMM, which re-packs the weight on eve
 runs its slow path: on this project's 2-core AMD EPYC (AVX-512), one decode step of SmolLM2-135M spends
 87% of its time there, and a 4-token tree costs 1.6x one token. oneDNN's linear with the weight reordered
 once into its blocked layout is faster at every size and costs about the same for 1 to 16 rows
-(`results/loop_ceiling.md`, `results/throughput.md`). `pack_linear_weights(model)` keeps every `nn.Linear` as it is (same
-parameters, same `state_dict`) and adds the packed copy beside its weight. The layer uses it for CPU inputs
+(`results/loop_ceiling.md`, `results/throughput.md`). `pack_linear_weights(model)` keeps every `nn.Linear`
+as it is (same parameters, same `state_dict`) and adds the packed copy beside its weight. The layer uses it for CPU inputs
 of the weight's dtype (float32, bfloat16), outside autocast and `torch.compile` tracing, and falls back to
 `F.linear` otherwise. With gradients (training a draft) the output, input-gradient and weight-gradient
 products all run on oneDNN too. A frozen weight's packed copy is kept and repacked when the weight is
@@ -46,7 +46,6 @@ class _PackedLinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, packed):
         ctx.save_for_backward(x, weight)
-        ctx.has_bias = bias is not None
         return _mm(x, packed, None if bias is None else bias.detach())
 
     @staticmethod
@@ -59,7 +58,7 @@ class _PackedLinearFunction(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             inputs = x.reshape(-1, x.shape[-1])
             grad_w = _mm(rows.t().contiguous(), _pack(inputs.t(), weight.shape[0]))
-        if ctx.has_bias and ctx.needs_input_grad[2]:
+        if ctx.needs_input_grad[2]:  # False when there is no bias
             grad_b = rows.sum(0)
         return grad_x, grad_w, grad_b, None
 
@@ -100,8 +99,9 @@ class PackedLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
-        if (not _enabled or torch.compiler.is_compiling() or x.device.type != "cpu" or w.device.type != "cpu" or x.dtype != w.dtype
-                or w.dtype not in PACKED_DTYPES or torch.is_autocast_enabled("cpu") or x.numel() == 0):
+        if (not _enabled or torch.compiler.is_compiling() or x.device.type != "cpu" or w.device.type != "cpu"
+                or x.dtype != w.dtype or w.dtype not in PACKED_DTYPES or torch.is_autocast_enabled("cpu")
+                or x.numel() == 0):
             return F.linear(x, w, self.bias)
         x = x.contiguous()
         if torch.is_grad_enabled() and (w.requires_grad or x.requires_grad
@@ -123,7 +123,8 @@ def pack_linear_weights(model: nn.Module, rows: int = 4) -> nn.Module:
             module.__class__ = PackedLinear
             module.packed_rows = rows
             module._packed_weight = None
-            if module.weight.device.type == "cpu" and module.weight.dtype in PACKED_DTYPES and not module.weight.requires_grad:
+            weight = module.weight
+            if weight.device.type == "cpu" and weight.dtype in PACKED_DTYPES and not weight.requires_grad:
                 module._packed()  # now, not in the first generate
     return model
 

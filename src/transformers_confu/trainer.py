@@ -132,8 +132,7 @@ class ConFuTrainer(Trainer):
         self._ttt_correct = torch.zeros(args.ttt_steps, device=self.args.device)
         self._ttt_full_correct = torch.zeros(args.ttt_steps, device=self.args.device)
         self._ttt_count = torch.zeros(args.ttt_steps, device=self.args.device)
-        self._future_correct = torch.zeros((), device=self.args.device)
-        self._future_count = torch.zeros((), device=self.args.device)
+        self._future_hits = torch.zeros(2, device=self.args.device)  # ConFu auxiliary loss: (correct, count)
         self._staging_dir: str | None = None
         if args.max_minutes is not None:
             self.add_callback(MaxMinutesCallback(args.max_minutes))
@@ -202,12 +201,10 @@ class ConFuTrainer(Trainer):
                     logs[f"ttt_acc_{step}"] = c / n
                     logs[f"ttt_full_acc_{step}"] = f / n
             if self.args.future_token_weight > 0:
-                future = self.accelerator.reduce(torch.stack([self._future_correct, self._future_count]),
-                                                 reduction="sum").tolist()
-                if future[1] > 0:
-                    logs["future_token_acc"] = future[0] / future[1]
-            for buffer in (self._ttt_correct, self._ttt_full_correct, self._ttt_count, self._future_correct,
-                           self._future_count):
+                correct, count = self.accelerator.reduce(self._future_hits, reduction="sum").tolist()
+                if count > 0:
+                    logs["future_token_acc"] = correct / count
+            for buffer in (self._ttt_correct, self._ttt_full_correct, self._ttt_count, self._future_hits):
                 buffer.zero_()
         super().log(logs, start_time)
 
@@ -315,8 +312,8 @@ class ConFuTrainer(Trainer):
 
     def _accumulate_accuracy(self, metrics: dict[str, torch.Tensor]) -> None:
         if "future_token_count" in metrics:
-            self._future_correct += metrics["future_token_acc"] * metrics["future_token_count"]
-            self._future_count += metrics["future_token_count"]
+            count = metrics["future_token_count"]
+            self._future_hits += torch.stack([metrics["future_token_acc"] * count, self._future_hits.new_tensor(count)])
         for step in range(self.args.ttt_steps):
             count = metrics[f"count_{step}"]
             self._ttt_correct[step] += metrics[f"acc_{step}"] * count

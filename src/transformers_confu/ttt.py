@@ -59,14 +59,19 @@ def target_hidden(
     return features, out.last_hidden_state
 
 
-def teacher_logits(target: PreTrainedModel, last_hidden: torch.Tensor, d2t: torch.LongTensor) -> torch.Tensor:
+def draft_vocab_logits(target: PreTrainedModel, hidden: torch.Tensor, d2t: torch.LongTensor) -> torch.Tensor:
     """(..., H) final hidden states -> (..., D) the target's logits restricted to the draft vocabulary `d2t`
-    (equal to the full logits[..., d2t], without materialising the full-vocabulary tensor). The output head
-    must be a plain linear map (Llama, Qwen2, ...)."""
+    (equal to the full logits[..., d2t], without materialising the full-vocabulary tensor), differentiable in
+    `hidden`. The output head must be a plain linear map (Llama, Qwen2, ...)."""
     head: nn.Linear = target.get_output_embeddings()
     bias = None if head.bias is None else head.bias[d2t]
+    return F.linear(hidden.to(head.weight.dtype), head.weight[d2t], bias)
+
+
+def teacher_logits(target: PreTrainedModel, last_hidden: torch.Tensor, d2t: torch.LongTensor) -> torch.Tensor:
+    """`draft_vocab_logits` without gradients: the teacher distribution of the TTT loss."""
     with torch.no_grad():
-        return F.linear(last_hidden.to(head.weight.dtype), head.weight[d2t], bias)
+        return draft_vocab_logits(target, last_hidden, d2t)
 
 
 def target_argmax(target: PreTrainedModel, last_hidden: torch.Tensor, chunk: int = 4096) -> torch.LongTensor:
