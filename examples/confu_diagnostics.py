@@ -8,6 +8,10 @@ positions that see an f:
 - `attention_on_f`: the draft's attention mass on the `[f]` entries (mean over heads and positions);
 - `con_future_token_acc`: the `[con]` itself, read through the target's head (draft vocabulary), predicting
   the target's token two ahead of its anchor (what `--future-token-weight` trains);
+- `draft_acc_at_anchors` / `con_only_at_anchors` / `union_acc_at_anchors`: the same token at the same anchors
+  as the draft's own first prediction (it sees one more token than the `[con]`), and how often the `[con]` is
+  right where the draft is wrong: what f could add to the draft's first prediction at best;
+- `mix_acc_at_anchors_w{w}`: the draft's first prediction from `log q + w log p_con` (`future_logit_weight`);
 - router statistics of the `[con]` MoE (routed by the target's state) and the `[f]` MoE: expert usage and
   the spread of the router logits (a router at its initial scale has not learned to route), and the learned
   `[f]` attention bias.
@@ -37,17 +41,21 @@ from transformers_confu.assistant import load_adapter, load_draft
 from transformers_confu.target import CONFU_DRAFT
 from transformers_confu.ttt import (
     Future,
+    draft_vocab_logits,
     target_argmax,
     target_hidden,
     ttt_hidden_states,
     ttt_valid_positions,
 )
 
+MIX_WEIGHTS = (0.25, 0.5, 1.0, 2.0)
+
 
 @torch.no_grad()
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--draft", default=str(CONFU_DRAFT))
+    p.add_argument("--adapter", default=None, help="the ConFu draft folder whose adapter to use (default: --draft's)")
     p.add_argument("--answers", required=True, help="a confu-bench answer file of plain generate (generate.jsonl)")
     p.add_argument("--anchor-ratio", type=float, default=0.1)
     p.add_argument("--window", type=int, default=4)
@@ -55,15 +63,17 @@ def main() -> None:
     p.add_argument("--out", required=True, help="writes OUT.json and OUT.md")
     args = p.parse_args()
     target, tokenizer = load_target()
-    draft, adapter = load_draft(args.draft), load_adapter(args.draft)
+    draft, adapter = load_draft(args.draft), load_adapter(args.adapter or args.draft)
     draft.attach_target(target)
+    entry = draft.config.has_future_entry  # else f reaches the draft only as a prior on its first level
     draft.self_attn.config._attn_implementation = "eager"  # to read the attention weights
     weights = []
     draft.self_attn.register_forward_hook(lambda module, inputs, out: weights.append(out[1]))
     generator = torch.Generator().manual_seed(args.seed)
-    totals = dict(kl=0.0, acc_with=0.0, acc_without=0.0, attention=0.0, positions=0, con_hits=0.0, con_count=0)
+    totals = dict(kl=0.0, acc_with=0.0, acc_without=0.0, attention=0.0, positions=0, con_hits=0.0, con_count=0,
+                  anchors=0, draft_at_anchors=0.0, con_only=0.0, **{f"mix_{w}": 0.0 for w in MIX_WEIGHTS})
     con_usage = torch.zeros(adapter.con_moe.router.out_features)
-    f_usage = torch.zeros(draft.future_moe.router.out_features)
+    f_usage = torch.zeros(draft.future_moe.router.out_features) if entry else None
     con_spread, f_spread = [], []
     for row in dev_rows(args.answers, tokenizer):
         ids, loss_mask = torch.tensor([row["input_ids"]]), torch.tensor([row["loss_mask"]])
@@ -79,13 +89,30 @@ def main() -> None:
                                                   attention_mask, draft.d2t)
         totals["con_hits"] += float(con_acc) * con_count
         totals["con_count"] += con_count
+        without_f = ttt_hidden_states(draft, features, ids, attention_mask, 1)[0]
+        # the [con] and the draft's first prediction name the same token (the one two ahead of the anchor)
+        scored = ttt_valid_positions(attention_mask, loss_mask, 0)[0, anchors[0]]
+        at = anchors[0, scored]
+        wanted = target_ids[0, at + 1]
+        con_logp = draft_vocab_logits(target, hidden[0, scored], draft.d2t).float().log_softmax(-1)
+        draft_logp = draft.logits(without_f[0, at]).float().log_softmax(-1)
+        con_right, draft_right = draft.d2t[con_logp.argmax(-1)] == wanted, draft.d2t[draft_logp.argmax(-1)] == wanted
+        for w in MIX_WEIGHTS:
+            totals[f"mix_{w}"] += float((draft.d2t[(draft_logp + w * con_logp).argmax(-1)] == wanted).sum())
+        totals["anchors"] += len(at)
+        totals["draft_at_anchors"] += float(draft_right.sum())
+        totals["con_only"] += float((con_right & ~draft_right).sum())
+        states = features.gather(1, (anchors - 1)[..., None].expand(-1, -1, features.shape[-1]))[0]
+        con_logits = adapter.con_moe.router(states[:, -adapter.hidden_size:].to(adapter.soft_prompt.dtype))
+        con_usage += torch.bincount(con_logits.topk(adapter.con_moe.top_k, -1).indices.flatten(),
+                                    minlength=len(con_usage))
+        con_spread.append(float(con_logits.std(-1).mean()))
+        positions = (ttt_valid_positions(attention_mask, loss_mask, 0) & visible.any(-1))[0].nonzero()[:, 0]
+        if not entry or len(positions) == 0:
+            continue
         weights.clear()
         with_f = ttt_hidden_states(draft, features, ids, attention_mask, 1, Future(vectors, anchors, visible))[0]
         attention = weights[0][0, :, :length, length:].sum(-1).mean(0)  # (T,) mass on the [f] columns
-        without_f = ttt_hidden_states(draft, features, ids, attention_mask, 1)[0]
-        positions = (ttt_valid_positions(attention_mask, loss_mask, 0) & visible.any(-1))[0].nonzero()[:, 0]
-        if len(positions) == 0:
-            continue
         log_with = torch.log_softmax(draft.logits(with_f[0, positions]).float(), -1)
         log_without = torch.log_softmax(draft.logits(without_f[0, positions]).float(), -1)
         wanted = target_ids[0, positions + 1]
@@ -94,24 +121,25 @@ def main() -> None:
         totals["acc_without"] += float((draft.d2t[log_without.argmax(-1)] == wanted).sum())
         totals["attention"] += float(attention[positions].sum())
         totals["positions"] += len(positions)
-        states = features.gather(1, (anchors - 1)[..., None].expand(-1, -1, features.shape[-1]))[0]
-        con_logits = adapter.con_moe.router(states[:, -adapter.hidden_size:].to(adapter.soft_prompt.dtype))
         f_logits = draft.future_moe.router(draft.fc(vectors[0].to(draft.fc.weight.dtype)))
-        con_usage += torch.bincount(con_logits.topk(adapter.con_moe.top_k, -1).indices.flatten(),
-                                    minlength=len(con_usage))
         f_usage += torch.bincount(f_logits.topk(draft.future_moe.top_k, -1).indices.flatten(), minlength=len(f_usage))
-        con_spread.append(float(con_logits.std(-1).mean()))
         f_spread.append(float(f_logits.std(-1).mean()))
-    n = totals["positions"]
+    n, k = totals["positions"], totals["anchors"]
     result = dict(
-        draft=args.draft, positions=n, kl_with_vs_without=totals["kl"] / n, full_acc_with_f=totals["acc_with"] / n,
-        full_acc_without_f=totals["acc_without"] / n, attention_on_f=totals["attention"] / n,
-        con_future_token_acc=totals["con_hits"] / max(totals["con_count"], 1),
-        future_attention_bias=float(draft.future_bias), con_router_logit_std=sum(con_spread) / len(con_spread),
-        f_router_logit_std=sum(f_spread) / len(f_spread), con_expert_usage=(con_usage / con_usage.sum()).tolist(),
-        f_expert_usage=(f_usage / f_usage.sum()).tolist(),
-        command="python examples/confu_diagnostics.py " + " ".join(f"--{k.replace('_', '-')} {v}"
-                                                                   for k, v in vars(args).items()))
+        draft=args.draft, anchors=k, con_future_token_acc=totals["con_hits"] / max(totals["con_count"], 1),
+        draft_acc_at_anchors=totals["draft_at_anchors"] / k, con_only_at_anchors=totals["con_only"] / k,
+        union_acc_at_anchors=(totals["draft_at_anchors"] + totals["con_only"]) / k,
+        **{f"mix_acc_at_anchors_w{w}": totals[f"mix_{w}"] / k for w in MIX_WEIGHTS},
+        con_router_logit_std=sum(con_spread) / len(con_spread), con_expert_usage=(con_usage / con_usage.sum()).tolist(),
+    )
+    if entry:
+        result.update(
+            positions=n, kl_with_vs_without=totals["kl"] / n, full_acc_with_f=totals["acc_with"] / n,
+            full_acc_without_f=totals["acc_without"] / n, attention_on_f=totals["attention"] / n,
+            future_attention_bias=float(draft.future_bias), f_router_logit_std=sum(f_spread) / len(f_spread),
+            f_expert_usage=(f_usage / f_usage.sum()).tolist())
+    result["command"] = "python examples/confu_diagnostics.py " + " ".join(
+        f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).with_suffix(".json").write_text(json.dumps(result, indent=2))
     md = [f"# Does the ConFu draft use f?\n\n`{result['command']}`\n", "| measurement | value |", "|---|---|"]

@@ -5,6 +5,8 @@ greedy token over its full vocabulary, on conversations [dev question, the targe
 answers a `confu-bench` run wrote for plain `generate`). At T=0 the first drafted token is accepted exactly
 when the depth-0 prediction is right, so this predicts tau without decoding, in seconds per draft; it also
 separates a weak draft (low accuracy here) from an inference bug (high accuracy here, low tau in the bench).
+`--by-confidence` also splits the depth-0 accuracy by the target's own top-1 probability at the predicted
+token: how much of the gap is positions where the target itself hesitates.
 
     python examples/dev_accuracy.py --answers results/eagle3_v2_dev_t0_answers/generate.jsonl \
         --drafts src/transformers_confu/checkpoints/smollm2-135m-instruct-eagle3 runs/my-draft/final
@@ -20,9 +22,16 @@ import datasets
 import torch
 
 from transformers_confu import ConFuDraftModel, load_target
-from transformers_confu.data import tokenize_conversations
+from transformers_confu.data import DataCollatorForDraft, tokenize_conversations
 from transformers_confu.questions import load_questions
-from transformers_confu.ttt import evaluate_ttt
+from transformers_confu.ttt import (
+    evaluate_ttt,
+    target_hidden,
+    ttt_hidden_states,
+    ttt_valid_positions,
+)
+
+BINS = (0.0, 0.3, 0.5, 0.7, 0.9, 1.0001)
 
 
 def dev_rows(answers: str, tokenizer) -> list[dict]:
@@ -40,11 +49,38 @@ def dev_rows(answers: str, tokenizer) -> list[dict]:
     return [tokenized[i] for i in range(len(tokenized))]
 
 
+@torch.no_grad()
+def accuracy_by_confidence(draft, target, rows: list[dict], batch_size: int = 8) -> list[dict]:
+    """Depth-0 full-vocabulary accuracy of `draft` per bin of the target's top-1 probability (`BINS`)."""
+    collate = DataCollatorForDraft(pad_token_id=0)
+    confidence, correct = [], []
+    for start in range(0, len(rows), batch_size):
+        batch = collate(rows[start : start + batch_size])
+        features, last = target_hidden(target, batch["input_ids"], batch["attention_mask"], draft.config.feature_layers)
+        hidden = ttt_hidden_states(draft, features, batch["input_ids"], batch["attention_mask"], steps=1)[0]
+        rows_, cols = ttt_valid_positions(batch["attention_mask"], batch["loss_mask"], 0).nonzero(as_tuple=True)
+        probs = target.lm_head(last[rows_, cols + 1]).float().softmax(dim=-1)
+        top_p, top_id = probs.max(dim=-1)
+        drafted = draft.d2t[draft.logits(hidden[rows_, cols]).argmax(dim=-1)]
+        confidence.append(top_p)
+        correct.append(drafted == top_id)
+    confidence, correct = torch.cat(confidence), torch.cat(correct).float()
+    table = []
+    for low, high in zip(BINS[:-1], BINS[1:]):
+        inside = (confidence >= low) & (confidence < high)
+        n = int(inside.sum())
+        table.append({"target_top1": f"{low:.1f}-{min(high, 1.0):.1f}", "share": n / len(confidence),
+                      "draft_acc": float(correct[inside].mean()) if n else float("nan"), "positions": n})
+    return table
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--answers", required=True, help="a confu-bench answer file of plain generate (generate.jsonl)")
     p.add_argument("--drafts", nargs="+", required=True)
     p.add_argument("--steps", type=int, default=3, help="TTT depths scored")
+    p.add_argument("--by-confidence", action="store_true",
+                   help="also split depth-0 accuracy by the target's top-1 probability")
     p.add_argument("--out", default=None, help="also write OUT.json")
     args = p.parse_args()
     target, tokenizer = load_target()
@@ -55,9 +91,15 @@ def main() -> None:
         draft.attach_target(target)
         results[path] = {k: v for k, v in evaluate_ttt(draft, target, rows, args.steps).items() if "full_acc" in k}
         print(path, {k: round(v, 3) for k, v in results[path].items()}, flush=True)
+        if args.by_confidence:
+            results[path]["by_confidence"] = accuracy_by_confidence(draft, target, rows)
+            for row in results[path]["by_confidence"]:
+                print(f"  target top-1 {row['target_top1']}: {100 * row['share']:.1f}% of positions, "
+                      f"draft accuracy {row['draft_acc']:.3f}", flush=True)
     if args.out:
         command = "python examples/dev_accuracy.py " + " ".join(
-            f"--{k} {' '.join(v) if isinstance(v, list) else v}" for k, v in vars(args).items() if v is not None)
+            f"--{k.replace('_', '-')} {' '.join(v) if isinstance(v, list) else v}" for k, v in vars(args).items()
+            if v not in (None, False)).replace(" True", "")
         Path(args.out).with_suffix(".json").write_text(json.dumps({"command": command, "results": results}, indent=2))
 
 

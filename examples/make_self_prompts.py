@@ -9,6 +9,7 @@ drops duplicates, and writes them in the messages layout (user turn only). Their
 `confu-train --regenerate` (pass the file with `--data`). No dev or held-out text is used.
 
     python examples/make_self_prompts.py --count 1200 --out runs/self_prompts.jsonl
+    python examples/make_self_prompts.py --openers "Summarize,Extract,Translate" --out runs/reading.jsonl
 """
 
 from __future__ import annotations
@@ -43,6 +44,9 @@ def main() -> None:
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--top-p", type=float, default=0.95)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--openers", type=lambda text: text.split(","), default=OPENERS,
+                   help="comma-separated opener words to steer toward kinds of task (default: a broad list; "
+                        "an empty item lets the target start freely)")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     torch.manual_seed(args.seed)
@@ -52,7 +56,7 @@ def main() -> None:
     seen, prompts, tries = set(), [], 0
     bar = tqdm(total=args.count, desc="self prompts")
     while len(prompts) < args.count and tries < 20 * args.count:
-        opener = rng.choice(OPENERS)
+        opener = rng.choice(args.openers)
         ids = tokenizer(prefix + opener, return_tensors="pt", add_special_tokens=False).input_ids
         out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=args.temperature,
                              top_p=args.top_p, max_new_tokens=args.max_new_tokens, num_return_sequences=args.batch_size,

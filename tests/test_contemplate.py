@@ -80,12 +80,19 @@ def test_real_token_logits_unchanged_by_contemplate_tokens(arch):
     plain_pass, confu_pass = _Target(target, layers), _Target(target, layers, adapter)
     plain_pass.prefill(prompt)
     _, prompt_features = confu_pass.prefill(prompt)
-    logits, features, _ = plain_pass.tree(tree, 9, None, None)
+    logits, features, _, _ = plain_pass.tree(tree, 9, None, None)
     state = prompt_features[0, -1]
-    logits_c, features_c, con = confu_pass.tree(tree, 9, torch.arange(5), state)
+    logits_c, features_c, con, no_logits = confu_pass.tree(tree, 9, torch.arange(5), state)
     torch.testing.assert_close(logits_c, logits, rtol=0, atol=1e-5)
     torch.testing.assert_close(features_c, features, rtol=1e-5, atol=1e-5)
-    assert con.shape == (5, 96)
+    assert con.shape == (5, 96) and no_logits is None
+    # with con_logits the [con] rows' logits come too (the target's head on their last hidden state)
+    mixing = _Target(target, layers, adapter, con_logits=True)
+    mixing.prefill(prompt)
+    logits_m, _, con_m, con_logits = mixing.tree(tree, 9, torch.arange(2), state)
+    torch.testing.assert_close(logits_m, logits, rtol=0, atol=1e-5)
+    torch.testing.assert_close(con_m, con[:2], rtol=1e-5, atol=1e-5)
+    assert con_logits.shape == (2, 128) and not torch.allclose(con_logits[0], logits_m[0])
     with torch.no_grad():
         adapter.soft_prompt.mul_(2)
     other = _Target(target, layers, adapter)
@@ -148,10 +155,61 @@ def sampling_setup():
 
 
 @pytest.mark.parametrize("cache_implementation", [None, "static"])
-def test_sampling_with_contemplate_matches_exact_distribution(sampling_setup, cache_implementation):
+@pytest.mark.parametrize("future_logit_weight", [0.0, 1.5])
+def test_sampling_with_contemplate_matches_exact_distribution(sampling_setup, cache_implementation,
+                                                              future_logit_weight):
     target, assistant, prompt, exact = sampling_setup
-    counts = sampled_counts(target, assistant, prompt, cache_implementation=cache_implementation)
+    counts = sampled_counts(target, assistant, prompt, cache_implementation=cache_implementation,
+                            future_logit_weight=future_logit_weight)
     assert p_value(exact, counts) > 1e-3
+
+
+@pytest.mark.parametrize("contemplate_nodes", [None, 1])
+@pytest.mark.parametrize("cache_implementation", [None, "static"])
+def test_future_logit_mix_is_lossless_and_reaches_the_first_level(arch, contemplate_nodes, cache_implementation,
+                                                                  monkeypatch):
+    """With future_logit_weight w > 0 the round after a fresh `[con]` drafts its first level with w times that
+    `[con]`'s log-probabilities over the draft vocabulary added (other rounds: nothing added); greedy output
+    stays identical to plain generate, and the trees differ from w = 0."""
+    target = tiny_target(arch)
+    assistant = confu_assistant(target, contemplate_nodes=contemplate_nodes, depth=3, top_k=2, total_tokens=6)
+    priors, trees, propose = [], [], TreeDrafter.propose
+
+    def spy(self, root, position, prior=None):
+        priors.append(prior)
+        tree = propose(self, root, position, prior)
+        trees.append(tree.tokens.tolist())
+        return tree
+
+    monkeypatch.setattr(TreeDrafter, "propose", spy)
+    for seed in range(3):
+        ids = torch.randint(0, 128, (1, 4 + 5 * seed), generator=torch.Generator().manual_seed(seed))
+        runs = {}
+        for weight in (0.0, 2.0):
+            priors.clear(), trees.clear()
+            out = target.generate(ids, max_new_tokens=24, do_sample=False, assistant_model=assistant,
+                                  cache_implementation=cache_implementation, future_logit_weight=weight)
+            assert torch.equal(out, plain(target, ids, max_new_tokens=24)), f"seed {seed}, w {weight}"
+            runs[weight] = list(trees)
+            given = [p for p in priors if p is not None]
+            if weight == 0:
+                assert not given
+                continue
+            fresh = assistant.stats.fresh_futures  # the last round's [con] has no next round
+            assert priors[0] is None and fresh > 0 and fresh - 1 <= len(given) <= fresh
+            for prior in given:  # w times a log-distribution over the draft vocabulary
+                assert prior.shape == (64,)
+                torch.testing.assert_close(torch.logsumexp(prior / weight, 0), torch.tensor(0.0), atol=1e-4, rtol=0)
+        assert runs[0.0] != runs[2.0]
+
+
+def test_future_logit_weight_is_checked():
+    target = tiny_target()
+    with pytest.raises(ValueError, match="future_logit_weight"):
+        ConFuDraftConfig.for_target(target, contemplate=True, future_logit_weight=-1.0)
+    assistant = confu_assistant(target)
+    with pytest.raises(ValueError, match="future_logit_weight"):
+        target.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=4, assistant_model=assistant, future_logit_weight=-1)
 
 
 def test_anchor_sampling_and_replication_window():
@@ -394,3 +452,66 @@ def test_compiled_static_mode_with_contemplate_tokens(contemplate_nodes):
         out = target.generate(ids, max_new_tokens=24, do_sample=False, assistant_model=assistant, **compiled_static())
         assert torch.equal(out, plain(target, ids, max_new_tokens=24))
         assert assistant.stats.mode == "static" and assistant.stats.fresh_futures > 0
+
+
+def test_draft_without_future_entry_takes_f_only_as_a_prior(monkeypatch):
+    """future_entry=False: no [f] MoE or bias, the draft refuses an [f] entry, the loop never hands it f (its
+    drafts equal its EAGLE-3 self's until a prior is given), greedy output stays identical."""
+    target = tiny_target()
+    with pytest.raises(ValueError, match="future_logit_weight > 0"):
+        ConFuDraftConfig.for_target(target, contemplate=True, future_entry=False)
+    config = ConFuDraftConfig.for_target(target, draft_vocab_size=64, contemplate=True, future_entry=False,
+                                         future_logit_weight=1.0)
+    assistant = ConFuAssistant.from_config(config, target, depth=3, top_k=2, total_tokens=6)
+    draft = assistant.draft
+    assert not config.has_future_entry and not hasattr(draft, "future_moe") and not hasattr(draft, "future_bias")
+    with pytest.raises(ValueError, match="no \\[f\\] entry"):
+        draft(torch.tensor([[1]]), torch.zeros(1, 1, 3 * config.hidden_size), torch.tensor([[0, 0]]),
+              torch.zeros(1, 1, 2, 2), future=torch.zeros(1, 1, 3 * config.hidden_size))
+    futures, priors = [], []
+    catch_up, propose = TreeDrafter.catch_up, TreeDrafter.propose
+    monkeypatch.setattr(TreeDrafter, "catch_up", lambda self, *a, **k: futures.append(a[3] if len(a) > 3 else None)
+                        or catch_up(self, *a, **k))
+    monkeypatch.setattr(TreeDrafter, "propose", lambda self, root, at, prior=None: priors.append(prior)
+                        or propose(self, root, at, prior))
+    ids = torch.randint(0, 128, (1, 9), generator=torch.Generator().manual_seed(4))
+    out = target.generate(ids, max_new_tokens=24, do_sample=False, assistant_model=assistant)
+    assert torch.equal(out, plain(target, ids, max_new_tokens=24))
+    assert all(f is None for f in futures) and assistant.stats.fresh_futures > 0
+    assert sum(p is not None for p in priors) >= assistant.stats.fresh_futures - 1
+
+
+@pytest.mark.parametrize("freeze", [False, True])
+def test_training_without_future_entry_and_with_a_frozen_draft(tmp_path, freeze):
+    """A draft without the [f] entry trains as EAGLE-3 while the auxiliary loss trains the adapter; with
+    freeze_draft the draft is neither changed nor given a TTT loss (the loss is the auxiliary one alone)."""
+    from transformers import default_data_collator
+
+    from transformers_confu.trainer import ConFuTrainer
+    from transformers_confu.training_args import ConFuTrainingArguments
+
+    target = tiny_target()
+    config = ConFuDraftConfig.for_target(target, draft_vocab_size=64, contemplate=True, future_entry=False,
+                                         future_logit_weight=0.5)
+    torch.manual_seed(0)
+    rows = [{"input_ids": torch.randint(0, 128, (16,)), "attention_mask": torch.ones(16, dtype=torch.long),
+             "loss_mask": torch.ones(16, dtype=torch.long)} for _ in range(4)]
+    draft, adapter = ConFuDraftModel(config), ContemplateAdapter.for_target(target, num_soft_tokens=3)
+    before = {k: v.clone() for k, v in [*draft.state_dict().items(), *adapter.state_dict().items()]}
+    with pytest.raises(ValueError, match="future_token_weight > 0"):
+        ConFuTrainingArguments(output_dir=str(tmp_path), freeze_draft=True, use_cpu=True)
+    args = ConFuTrainingArguments(output_dir=str(tmp_path / "no-aux"), use_cpu=True, report_to="none")
+    with pytest.raises(ValueError, match="no \\[f\\] entry"):
+        ConFuTrainer(model=draft, target_model=target, args=args, adapter=adapter, train_dataset=rows)
+    args = ConFuTrainingArguments(output_dir=str(tmp_path / "run"), max_steps=3, per_device_train_batch_size=2,
+                                  logging_steps=1, save_strategy="no", report_to="none", use_cpu=True, ttt_steps=2,
+                                  anchor_ratio=0.5, future_token_weight=1.0, freeze_draft=freeze, learning_rate=1e-2)
+    trainer = ConFuTrainer(model=draft, target_model=target, args=args, adapter=adapter, train_dataset=rows,
+                           data_collator=default_data_collator)
+    trainer.train()
+    logged = [log for log in trainer.state.log_history if "loss" in log]
+    assert all("future_token_acc" in log for log in logged)
+    assert all(("ttt_acc_0" in log) != freeze for log in logged)
+    moved = {k for k, v in [*draft.state_dict().items(), *adapter.state_dict().items()] if not torch.equal(v, before[k])}
+    assert any(k.startswith("soft_prompt") or "con_moe" in k for k in moved)
+    assert any(k.startswith(("fc.", "lm_head", "mlp", "self_attn")) for k in moved) != freeze

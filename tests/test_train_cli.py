@@ -85,6 +85,20 @@ def test_confu_training_from_an_eagle3_draft_resumes_and_loads(tmp_path):
     ref = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=10, do_sample=False,
                           pad_token_id=0)
     assert torch.equal(target.generate(ids, max_new_tokens=10, do_sample=False, assistant_model=assistant), ref)
+    # the adapter alone, continued from the ConFu run onto the EAGLE-3 draft, f as a first-level prior only
+    main(common + ["--output-dir", str(tmp_path / "prior"), "--init-from", str(tmp_path / "eagle3" / "final"),
+                   "--adapter-from", str(tmp_path / "confu" / "final"), "--contemplate", "--no-future-entry",
+                   "--freeze-draft", "--future-token-weight", "1", "--anchor-ratio", "0.5"])
+    prior = ConFuAssistant.from_pretrained(tmp_path / "prior" / "final", target_model=target)
+    eagle3 = ConFuAssistant.from_pretrained(tmp_path / "eagle3" / "final", target_model=target)
+    config = prior.draft.config
+    assert config.contemplate and not config.future_entry and config.future_logit_weight == 0.5
+    assert all(torch.equal(a, b) for a, b in zip(prior.draft.state_dict().values(), eagle3.draft.state_dict().values()))
+    assert not torch.allclose(prior.adapter.soft_prompt, assistant.adapter.soft_prompt)
+    assert torch.equal(target.generate(ids, max_new_tokens=10, do_sample=False, assistant_model=prior), ref)
+    with pytest.raises(SystemExit, match="has no contemplate_adapter"):
+        main(common + ["--output-dir", str(tmp_path / "bad"), "--init-from", str(tmp_path / "eagle3" / "final"),
+                       "--adapter-from", str(tmp_path / "eagle3" / "final"), "--contemplate"])
 
 
 def test_no_training_data_is_a_clear_error(capsys):

@@ -73,6 +73,9 @@ class ConFuAssistant:
         adapter: ConFu's `ContemplateAdapter` for the target (drafts with `contemplate=True`), else None.
         contemplate_nodes: ConFu: how many tree nodes get a `[con]` (None: all, 0: none, i.e. the draft without
             its future token); a call can override it with `contemplate_nodes=`.
+
+    A call can also override the draft config's `future_logit_weight` (ConFu: how much the `[con]`'s own
+    prediction is mixed into the first drafted level) with `future_logit_weight=`.
     """
 
     def __init__(self, draft: ConFuDraftModel, target_model: PreTrainedModel,
@@ -198,6 +201,9 @@ class ConFuAssistant:
         contemplate_nodes = kwargs.pop("contemplate_nodes", self.contemplate_nodes)
         if contemplate_nodes is not None and contemplate_nodes < 0:
             raise ValueError(f"contemplate_nodes={contemplate_nodes} must be >= 0 (or None for every node).")
+        future_logit_weight = kwargs.pop("future_logit_weight", self.draft.config.future_logit_weight)
+        if future_logit_weight < 0:
+            raise ValueError(f"future_logit_weight={future_logit_weight} must be >= 0 (0: off).")
         config = _generation_config(target, kwargs)
         max_new = _max_new_tokens(config, input_ids.shape[1], budget, target)
         self.stats = SpeculativeStats()
@@ -212,7 +218,7 @@ class ConFuAssistant:
                               parts.get("draft_cache"), parts.get("draft_calls"))
         return speculative_generate(
             target, drafter, self.draft.config.feature_layers, input_ids, config, max_new, self.stats,
-            tokenizer, streamer, self.adapter, contemplate_nodes, parts.get("target"),
+            tokenizer, streamer, self.adapter, contemplate_nodes, parts.get("target"), future_logit_weight,
         )
 
     def _static_parts(self, config: GenerationConfig, length: int, budget: TreeBudget) -> dict[str, Any]:

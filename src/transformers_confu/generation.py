@@ -117,12 +117,14 @@ class _Target:
     `static`: the static mode's cache and calls (default: a `DynamicCache` and the model); the prompt pass
     always runs the model itself.
     With a `ContemplateAdapter` (ConFu) the cache starts with the soft prompt's constant keys and values
-    (`offset` positions, hidden from real tokens) and each tree pass carries `[con]` tokens.
+    (`offset` positions, hidden from real tokens) and each tree pass carries `[con]` tokens (whose logits are
+    kept too with `con_logits`).
     """
 
     def __init__(self, model: PreTrainedModel, feature_layers: list[int],
-                 adapter: ContemplateAdapter | None = None, static: StaticTarget | None = None) -> None:
-        self.model, self.layers, self.adapter = model, feature_layers, adapter
+                 adapter: ContemplateAdapter | None = None, static: StaticTarget | None = None,
+                 con_logits: bool = False) -> None:
+        self.model, self.layers, self.adapter, self.con_logits = model, feature_layers, adapter, con_logits
         cache = DynamicCache(config=model.config) if static is None else static.cache
         self.cache = cache if adapter is None else adapter.prefilled_cache(model, cache)
         self.offset = 0 if adapter is None else adapter.num_soft_tokens
@@ -158,16 +160,16 @@ class _Target:
         (self.keep_call or keep_path)(self.cache, self.offset + length, path, count)
 
     def tree(self, tree: DraftTree, length: int, cons: torch.Tensor | None, state: torch.Tensor | None
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """Verify `tree` (root at position `length`) in one pass: (N, V) logits and (1, N, 3H) features at
-        the nodes, and (M, 3H) features at the `[con]` tokens of nodes `cons` (M,) (routed by `state`, the
-        fused features of the last accepted token)."""
+        the nodes, (M, 3H) features at the `[con]` tokens of nodes `cons` (M,) (routed by `state`, the
+        fused features of the last accepted token) and, with `con_logits`, their (M, V) logits."""
         ancestry, positions, n = tree.ancestry, length + tree.depths, len(tree)
         if self.adapter is None:
             mask = additive_mask(ancestry, length, self.model.dtype, self._width(length + n))
             logits, features = self._forward(self.call, n, input_ids=tree.tokens[None], position_ids=positions[None],
                                              attention_mask=mask)
-            return logits, features, None
+            return logits, features, None, None
         m, device = cons.numel(), tree.tokens.device
         node_rows = torch.cat([ancestry, ancestry.new_zeros(n, m)], dim=1)
         con_rows = torch.cat([ancestry[cons], torch.eye(m, dtype=torch.bool, device=device)], dim=1)
@@ -177,9 +179,10 @@ class _Target:
         con = self.adapter.con_embedding(state).to(self.model.dtype).expand(m, -1)
         embeds = torch.cat([self.model.get_input_embeddings()(tree.tokens), con])[None]
         positions = torch.cat([positions, positions[cons] + 1])[None]
-        logits, features = self._forward(self.call, torch.arange(n, device=device), inputs_embeds=embeds,
-                                         position_ids=positions, attention_mask=pad_keys(mask, self._width(length + n + m)))
-        return logits, features[:, :n], features[0, n:]
+        keep = torch.arange(n + m if self.con_logits else n, device=device)
+        logits, features = self._forward(self.call, keep, inputs_embeds=embeds, position_ids=positions,
+                                         attention_mask=pad_keys(mask, self._width(length + n + m)))
+        return logits[:n], features[:, :n], features[0, n:], logits[n:] if self.con_logits else None
 
 
 def _append(output, tokens, criteria, streamer) -> tuple[torch.LongTensor, bool]:
@@ -222,6 +225,7 @@ def speculative_generate(
     adapter: ContemplateAdapter | None = None,
     contemplate_nodes: int | None = None,
     static: StaticTarget | None = None,
+    future_logit_weight: float = 0.0,
 ) -> torch.LongTensor:
     """Generate up to `max_new_tokens` after `input_ids` (1, T); returns (1, T + new).
 
@@ -231,13 +235,16 @@ def speculative_generate(
 
     With `adapter` (ConFu) every verify pass also carries `[con]` tokens (on all nodes, or on the
     `contemplate_nodes` likeliest ends of the accepted path); the future vector read at the last accepted
-    node feeds the next draft round, and the previous one is kept when that node had no `[con]`.
+    node feeds the next draft round (as its `[f]` entry, if the draft has one), and the previous one is kept
+    when that node had no `[con]`.
     """
     start = time.perf_counter()
     prompt_len = input_ids.shape[1]
     criteria = stopping_criteria(config, prompt_len + max_new_tokens, tokenizer)
     warpers = logits_warpers(config) if config.do_sample else None
-    verify = _Target(target, feature_layers, adapter, static)
+    mix = adapter is not None and future_logit_weight > 0
+    entry = adapter is not None and drafter.draft.config.has_future_entry
+    verify = _Target(target, feature_layers, adapter, static, con_logits=mix)
     compiled = verify.keep_call is not None
     if streamer is not None:
         streamer.put(input_ids.cpu())
@@ -251,19 +258,19 @@ def speculative_generate(
     feats, state, length, count = features, features[0, -1], prompt_len, None
     # the length as the fixed-shape calls see it: a host int, or in static mode a device scalar (no recompiles)
     at = prompt_len if static is None else torch.tensor(prompt_len, device=input_ids.device)
-    future = None
+    future, prior = None, None
     while not stopped:
         if compiled:
             torch.compiler.cudagraph_mark_step_begin()
         # Draft: catch up on the newly accepted tokens, then draft a tree under the last one.
         t0 = time.perf_counter()
         drafter.catch_up(next_ids, feats, at, future, count)
-        tree = drafter.propose(root, at)
+        tree = drafter.propose(root, at, prior)
         ends = len(tree) if contemplate_nodes is None else min(contemplate_nodes, len(tree))
         cons = None if adapter is None else tree.likely_ends(ends)
         t1 = time.perf_counter()
         # Verify the whole tree in one target pass, accept a path, keep only its keys and values.
-        logits, features, con_features = verify.tree(tree, length, cons, state)
+        logits, features, con_features, con_logits = verify.tree(tree, length, cons, state)
         t2 = time.perf_counter()
         if warpers is None:
             path, size, root = accept_greedy(tree, logits)
@@ -277,9 +284,13 @@ def speculative_generate(
         n, fresh, accepted = read[0], read[1], read[2 : 2 + read[0]]
         count = n if static is None else size
         verify.keep(path, at, count)
+        prior = None
         if fresh:
-            future = (con_features[hit.int().argmax()], at + count - 1)
+            if entry:
+                future = (con_features[hit.int().argmax()], at + count - 1)
             stats.fresh_futures += 1
+            if mix:
+                prior = future_logit_weight * con_logits[hit.int().argmax(), drafter.d2t].float().log_softmax(-1)
         if compiled and not static.warm:
             stats.compile_seconds, static.warm = time.perf_counter() - t0, True
         stats.draft_seconds += t1 - t0

@@ -64,6 +64,8 @@ def model_card(draft_dir: str | Path, base_model: str, bench: dict | None = None
             f"{adapter['num_soft_tokens']} soft-prompt tokens seen only by `[con]` tokens, `[con]` MoE embedding "
             f"of {adapter['num_experts']} experts, top-{adapter['top_k']}",
             f"- `[con]` tokens per verify pass: {_con_tokens(config.get('contemplate_nodes'))}",
+            f"- the `[con]`'s own prediction mixed into the first drafted level with weight "
+            f"{config.get('future_logit_weight', 0.0)} (0: off)",
         ]
     if record:
         logs = record.get("last_logs") or [{}]

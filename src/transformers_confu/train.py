@@ -94,6 +94,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--future-token-weight", type=float, default=0.0,
                    help="ConFu: weight of an auxiliary loss making each [con] predict, through the target's head, the "
                    "target's token two ahead of its anchor (0: off)")
+    p.add_argument("--no-future-entry", action="store_true",
+                   help="ConFu: no [f] entry in the draft; f reaches it only through --future-logit-weight (the [con]'s "
+                   "own prediction mixed into the first drafted level); needs --future-token-weight > 0")
+    p.add_argument("--future-logit-weight", type=float, default=None,
+                   help="ConFu: weight of the [con]'s prediction in the first drafted level (saved in the draft config; "
+                   "default: the --init-from draft's, else 0, or 0.5 with --no-future-entry)")
+    p.add_argument("--adapter-from", default=None,
+                   help="ConFu: start the adapter from this ConFu draft folder's contemplate_adapter/ (default: "
+                   "--init-from's, if it has one, else a fresh adapter)")
+    p.add_argument("--freeze-draft", action="store_true",
+                   help="ConFu: train the adapter alone, by the auxiliary [con] loss; the draft is not run or changed")
     p.add_argument("--contemplate-lr-scale", type=float, default=10.0,
                    help="ConFu: learning-rate multiplier of the adapter and [f] MoE (fresh modules)")
     p.add_argument("--ttt-steps", type=int, default=None, help="training-time-test depth (default: the --tree depth + 1)")
@@ -132,7 +143,9 @@ def build_draft(args: argparse.Namespace, target, dataset) -> tuple[ConFuDraftMo
     """The draft to train (fresh or `--init-from`, e.g. ConFu from a trained EAGLE-3 draft) and, for ConFu,
     its adapter (the init draft's own if it has one, else a fresh one)."""
     confu = dict(contemplate=True, future_experts=args.con_experts, future_top_k=args.con_top_k,
-                 future_attention_bias=args.future_bias) if args.contemplate else {}
+                 future_attention_bias=args.future_bias, future_entry=not args.no_future_entry) if args.contemplate else {}
+    if args.contemplate and (args.future_logit_weight is not None or args.no_future_entry):
+        confu["future_logit_weight"] = 0.5 if args.future_logit_weight is None else args.future_logit_weight
     if args.init_from:
         draft = ConFuDraftModel.from_pretrained(args.init_from, dtype=torch.float32, **confu)
     else:
@@ -145,12 +158,16 @@ def build_draft(args: argparse.Namespace, target, dataset) -> tuple[ConFuDraftMo
             draft.init_from_target(target, tuple(args.init_from_target.split(",")))
     if not draft.config.contemplate:
         return draft, None
-    if args.init_from and (Path(args.init_from) / ADAPTER_FOLDER).is_dir():
+    source = args.adapter_from or args.init_from
+    if args.adapter_from and not (Path(args.adapter_from) / ADAPTER_FOLDER).is_dir():
+        raise SystemExit(f"--adapter-from {args.adapter_from} has no {ADAPTER_FOLDER}/: pass a ConFu draft folder.")
+    if source and (Path(source) / ADAPTER_FOLDER).is_dir():
         if args.soft_prompt_init_text is not None:
-            raise SystemExit(f"--soft-prompt-init-text starts a fresh soft prompt, but --init-from {args.init_from} "
-                             f"brings its trained {ADAPTER_FOLDER}/: drop one of the two.")
-        return draft, ContemplateAdapter.from_pretrained(Path(args.init_from) / ADAPTER_FOLDER)
-    draft.init_future_from_target(target)
+            raise SystemExit(f"--soft-prompt-init-text starts a fresh soft prompt, but {source} brings its trained "
+                             f"{ADAPTER_FOLDER}/: drop one of the two.")
+        return draft, ContemplateAdapter.from_pretrained(Path(source) / ADAPTER_FOLDER)
+    if draft.config.has_future_entry:
+        draft.init_future_from_target(target)
     adapter = ContemplateAdapter.for_target(target, num_soft_tokens=args.soft_tokens, num_experts=args.con_experts,
                                             top_k=args.con_top_k, init_text=args.soft_prompt_init_text,
                                             tokenizer_name_or_path=tokenizer_path(args.target),
@@ -188,7 +205,7 @@ def main(argv: list[str] | None = None) -> None:
     training_args = ConFuTrainingArguments(
         output_dir=args.output_dir, ttt_steps=args.ttt_steps, max_minutes=args.max_minutes,
         anchor_ratio=args.anchor_ratio, replication_window=args.replication_window, route_lag=args.route_lag,
-        future_token_weight=args.future_token_weight,
+        future_token_weight=args.future_token_weight, freeze_draft=args.freeze_draft,
         contemplate_lr_scale=args.contemplate_lr_scale,
         num_train_epochs=args.epochs, per_device_train_batch_size=args.batch_size,
         gradient_accumulation_steps=args.grad_accum, learning_rate=args.lr, warmup_steps=args.warmup_steps,

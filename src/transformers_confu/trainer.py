@@ -97,8 +97,10 @@ class ConFuTrainer(Trainer):
     `last_hidden`, `target_ids`) train the draft without running the target.
 
     ConFu (`adapter` given, draft built with `contemplate=True`): the soft prompt and `[con]` MoE are
-    trained jointly with the draft through `[con]` tokens after sampled anchors (`anchors.py`);
-    checkpoints then also hold `contemplate_adapter/`.
+    trained jointly with the draft through `[con]` tokens after sampled anchors (`anchors.py`), by the
+    draft's loss through its `[f]` entry (if it has one) and the auxiliary `[con]` loss
+    (`future_token_weight`); with `freeze_draft` by the auxiliary loss alone, the draft neither run nor
+    changed. Checkpoints then also hold `contemplate_adapter/`.
 
     On a CPU the draft's and the target's linear layers run on oneDNN (`packed_linear`), about twice
     MKL's speed on AMD CPUs; parameters and checkpoints are unchanged.
@@ -122,6 +124,13 @@ class ConFuTrainer(Trainer):
                              "draft without one: pass `adapter=` exactly when the draft contemplates.")
         if adapter is not None:
             adapter.check_target(target_model)
+            if not (model.config.has_future_entry or args.future_token_weight > 0):
+                raise ValueError("This ConFu draft has no [f] entry (future_entry=False): only the auxiliary [con] "
+                                 "loss trains its adapter; set future_token_weight > 0.")
+        if args.freeze_draft:
+            if adapter is None:
+                raise ValueError("freeze_draft trains a ConFu adapter alone: pass `adapter=` and a ConFu draft.")
+            model.requires_grad_(False)
         super().__init__(model=model if adapter is None else DraftWithAdapter(model, adapter), args=args, **kwargs)
         self.target_model = target_model.requires_grad_(False).eval().to(self.args.device)
         model.attach_target(self.target_model)
@@ -157,7 +166,6 @@ class ConFuTrainer(Trainer):
                 self.target_model, input_ids, attention_mask, draft.config.feature_layers, cache
             )
             target_ids = target_argmax(self.target_model, last_hidden)
-        target_logits = teacher_logits(self.target_model, last_hidden, draft.d2t)
         future = None
         if adapter is not None:
             future = contemplate_future(
@@ -165,10 +173,14 @@ class ConFuTrainer(Trainer):
                 draft.config.feature_layers, self.args.anchor_ratio, self.args.replication_window,
                 self.args.route_lag,
             )
-        loss, metrics = ttt_loss(
-            model, features, target_logits, input_ids, inputs["loss_mask"], attention_mask,
-            steps=self.args.ttt_steps, decay=self.args.ttt_decay, future=future, target_ids=target_ids,
-        )
+        if self.args.freeze_draft:
+            loss, metrics = torch.zeros((), device=input_ids.device), {}
+        else:
+            loss, metrics = ttt_loss(
+                model, features, teacher_logits(self.target_model, last_hidden, draft.d2t), input_ids,
+                inputs["loss_mask"], attention_mask, steps=self.args.ttt_steps, decay=self.args.ttt_decay,
+                future=future if draft.config.has_future_entry else None, target_ids=target_ids,
+            )
         if future is not None and self.args.future_token_weight > 0:
             aux, accuracy, count = future_token_loss(self.target_model, future, target_ids, attention_mask, draft.d2t)
             loss = loss + self.args.future_token_weight * aux
@@ -238,7 +250,8 @@ class ConFuTrainer(Trainer):
         scale = self.args.contemplate_lr_scale
         if adapter is None or scale == 1:
             return optimizer
-        fresh = {id(p) for p in [*adapter.parameters(), *draft.future_moe.parameters(), draft.future_bias]}
+        entry = [*draft.future_moe.parameters(), draft.future_bias] if draft.config.has_future_entry else []
+        fresh = {id(p) for p in [*adapter.parameters(), *entry]}
         for group in list(optimizer.param_groups):
             moved = [p for p in group["params"] if id(p) in fresh]
             group["params"] = [p for p in group["params"] if id(p) not in fresh]
@@ -314,7 +327,7 @@ class ConFuTrainer(Trainer):
         if "future_token_count" in metrics:
             count = metrics["future_token_count"]
             self._future_hits += torch.stack([metrics["future_token_acc"] * count, self._future_hits.new_tensor(count)])
-        for step in range(self.args.ttt_steps):
+        for step in range(self.args.ttt_steps if "count_0" in metrics else 0):  # none with a frozen draft
             count = metrics[f"count_{step}"]
             self._ttt_correct[step] += metrics[f"acc_{step}"] * count
             self._ttt_full_correct[step] += metrics[f"full_acc_{step}"] * count

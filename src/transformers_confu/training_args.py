@@ -33,6 +33,10 @@ class ConFuTrainingArguments(TrainingArguments):
         default=0.0, metadata={"help": "ConFu: weight of the auxiliary loss that makes each [con] token predict, "
                                "through the target's head, the target's token two ahead of its anchor (0: off)."}
     )
+    freeze_draft: bool = field(
+        default=False, metadata={"help": "ConFu: train the adapter alone, by the auxiliary [con] loss "
+                                 "(future_token_weight > 0): the draft is not run or changed."}
+    )
     contemplate_lr_scale: float = field(
         default=10.0, metadata={"help": "ConFu: learning-rate multiplier of the adapter and the [f] MoE."}
     )
@@ -59,6 +63,9 @@ class ConFuTrainingArguments(TrainingArguments):
             raise ValueError(f"contemplate_lr_scale={self.contemplate_lr_scale} must be > 0.")
         if self.future_token_weight < 0:
             raise ValueError(f"future_token_weight={self.future_token_weight} must be >= 0.")
+        if self.freeze_draft and self.future_token_weight == 0:
+            raise ValueError("freeze_draft trains the adapter by the auxiliary [con] loss alone: set "
+                             "future_token_weight > 0.")
         if self.route_lag < 0:
             raise ValueError(f"route_lag={self.route_lag} must be >= 0.")
         if self.replication_window < 1:

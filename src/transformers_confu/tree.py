@@ -157,6 +157,7 @@ def draft_tree(
     total_tokens: int,
     temperature: float | None = None,
     future_slot: int | torch.Tensor | None = None,
+    prior: torch.Tensor | None = None,
 ) -> DraftTree:
     """Draft a tree under `root`.
 
@@ -168,6 +169,8 @@ def draft_tree(
         root: target id of the root token; root_position: its position in the target sequence.
         temperature: None for greedy decoding, else the sampling temperature of the proposals.
         future_slot: cache index of this round's `[f]` entry (ConFu), which every drafted token attends to.
+        prior: optional (D,) log-probabilities over the draft vocabulary added to the first level's logits
+            (ConFu's `[con]` prediction, already weighted).
 
     `prefix`, `root_position` and `future_slot` are host ints or, on a static cache, 0-d device tensors: then
     the whole function has fixed shapes and no host reads, and the static mode compiles it as one graph.
@@ -175,7 +178,8 @@ def draft_tree(
     device, dtype = hidden.device, hidden.dtype
     keys = None if future_slot is None else _scalar(future_slot, device)
     eye = torch.eye(top_k, dtype=torch.bool, device=device)
-    ids, logq, q = _pick(draft.logits(hidden[0, -1:]), top_k, temperature)
+    logits = draft.logits(hidden[0, -1:])
+    ids, logq, q = _pick(logits if prior is None else logits.float() + prior, top_k, temperature)
     frontier_scores, frontier_tokens = logq[0], ids[0]
     frontier_hidden = hidden[:, -1:].repeat(1, top_k, 1)  # dense: a compiled step sees the same strides
     frontier_ids = torch.arange(top_k, device=device)  # candidate ids of the frontier nodes
@@ -291,10 +295,11 @@ class TreeDrafter:
             self.draft, self.cache, next_ids, features, length, next_ids.shape[1] if count is None else count, future)
 
     @torch.no_grad()
-    def propose(self, root: torch.Tensor | int, root_position: int | torch.Tensor) -> DraftTree:
-        """Draft a tree under `root` (at `root_position` in the target sequence)."""
+    def propose(self, root: torch.Tensor | int, root_position: int | torch.Tensor,
+                prior: torch.Tensor | None = None) -> DraftTree:
+        """Draft a tree under `root` (at `root_position` in the target sequence); `prior` as in `draft_tree`."""
         return self._propose(self.draft, self.cache, self.length, self.hidden, root, root_position, self.depth,
-                             self.top_k, self.total_tokens, self.temperature, self._future_slot)
+                             self.top_k, self.total_tokens, self.temperature, self._future_slot, prior)
 
 
 def catch_up_step(draft: ConFuDraftModel, cache, next_ids: torch.LongTensor, features: torch.Tensor,

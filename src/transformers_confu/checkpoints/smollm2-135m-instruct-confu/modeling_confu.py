@@ -57,7 +57,8 @@ def build_family_layer(config: ConFuDraftConfig) -> tuple[nn.Module, nn.Module, 
 
 
 class ConFuDraftModel(PreTrainedModel):
-    """EAGLE-3 draft head, plus ConFu's future token `[f]` when `config.contemplate` is true.
+    """EAGLE-3 draft head, plus ConFu's future token `[f]` when `config.has_future_entry` (ConFu drafts built
+    with `future_entry=False` take f only as a prior on their first level, in the decoding loop).
 
     ConFu: the target's future vector f (a fused 3H feature read at a `[con]` token) enters the draft
     as one extra entry whose feature is `fc(f)` and whose embedding comes from `future_moe`, routed
@@ -86,7 +87,7 @@ class ConFuDraftModel(PreTrainedModel):
         self.mlp = layer.mlp
         self.norm = norm_cls(hidden, eps=eps)
         self.lm_head = nn.Linear(hidden, config.draft_vocab_size, bias=False)
-        if config.contemplate:
+        if config.has_future_entry:
             self.future_moe = MoEEmbedding(hidden, config.future_experts, config.future_top_k)
             self.future_bias = nn.Parameter(torch.tensor(float(config.future_attention_bias)))
         self.register_buffer("d2t", torch.arange(config.draft_vocab_size), persistent=True)
@@ -100,7 +101,7 @@ class ConFuDraftModel(PreTrainedModel):
         super()._init_weights(module)
         if isinstance(module, MoEEmbedding):
             init.normal_(module.experts, std=getattr(self.config, "initializer_range", None) or 0.02)
-        if module is self and self.config.contemplate:
+        if module is self and self.config.has_future_entry:
             init.constant_(self.future_bias, self.config.future_attention_bias)
 
     def init_future_from_target(self, target: PreTrainedModel) -> None:
@@ -198,8 +199,9 @@ class ConFuDraftModel(PreTrainedModel):
             hidden_states = self.fc(hidden_states)
         embeds = self.embed(input_ids)
         if future is not None:
-            if not self.config.contemplate:
-                raise ValueError("This draft has no future token: it was built with contemplate=False.")
+            if not self.config.has_future_entry:
+                raise ValueError("This draft has no [f] entry: it was built with contemplate=False or "
+                                 "future_entry=False.")
             future = self.fc(future.to(self.fc.weight.dtype))
             hidden_states = torch.cat([hidden_states, future], dim=1)
             embeds = torch.cat([embeds, self.future_moe(future)], dim=1)

@@ -46,6 +46,13 @@ class ConFuDraftConfig(PretrainedConfig):
         contemplate_nodes: ConFu inference: the number of tree nodes given a `[con]` token in the verify
             pass (the most likely ends of the accepted path); None gives every node one, 0 none (the draft then
             runs as EAGLE-3, without its future token).
+        future_entry: ConFu: f enters the draft as the `[f]` attention entry (the paper's path). False: f
+            reaches the draft only through `future_logit_weight` (no `[f]` MoE or bias is built; the draft
+            itself runs, and trains, as EAGLE-3).
+        future_logit_weight: ConFu inference: w >= 0. The `[con]` of the last accepted node, read through the
+            target's own output head, predicts the same token as the draft's first level (with one token less
+            of context); the first level drafts from `log q + w * log p_con` over the draft vocabulary. 0: off.
+            Only a `[con]` renewed in the last verify pass is mixed in.
         tree_depth, tree_top_k, tree_total_tokens: default EAGLE-2 dynamic-tree budget.
     """
 
@@ -66,6 +73,8 @@ class ConFuDraftConfig(PretrainedConfig):
         future_top_k: int = 2,
         future_attention_bias: float = 2.0,
         contemplate_nodes: int | None = None,
+        future_entry: bool = True,
+        future_logit_weight: float = 0.0,
         tree_depth: int = 4,
         tree_top_k: int = 4,
         tree_total_tokens: int = 16,
@@ -84,6 +93,8 @@ class ConFuDraftConfig(PretrainedConfig):
         self.future_top_k = future_top_k
         self.future_attention_bias = future_attention_bias
         self.contemplate_nodes = contemplate_nodes
+        self.future_entry = future_entry
+        self.future_logit_weight = future_logit_weight
         self.tree_depth = tree_depth
         self.tree_top_k = tree_top_k
         self.tree_total_tokens = tree_total_tokens
@@ -109,6 +120,16 @@ class ConFuDraftConfig(PretrainedConfig):
             raise ValueError(f"future_top_k={self.future_top_k} must be in [1, future_experts={self.future_experts}].")
         if self.contemplate_nodes is not None and self.contemplate_nodes < 0:
             raise ValueError(f"contemplate_nodes={self.contemplate_nodes} must be >= 0 (or None for every node).")
+        if self.future_logit_weight < 0:
+            raise ValueError(f"future_logit_weight={self.future_logit_weight} must be >= 0 (0: off).")
+        if self.contemplate and not self.future_entry and self.future_logit_weight == 0:
+            raise ValueError("A ConFu draft without the [f] entry (future_entry=False) needs future_logit_weight > 0: "
+                             "otherwise f reaches the draft by no path.")
+
+    @property
+    def has_future_entry(self) -> bool:
+        """The draft takes f as an `[f]` attention entry (ConFu with `future_entry`)."""
+        return self.contemplate and self.future_entry
 
     @classmethod
     def for_target(cls, model: Any, **overrides: Any) -> "ConFuDraftConfig":
