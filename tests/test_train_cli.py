@@ -96,6 +96,9 @@ def test_confu_training_from_an_eagle3_draft_resumes_and_loads(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(prior.draft.state_dict().values(), eagle3.draft.state_dict().values()))
     assert not torch.allclose(prior.adapter.soft_prompt, assistant.adapter.soft_prompt)
     assert torch.equal(target.generate(ids, max_new_tokens=10, do_sample=False, assistant_model=prior), ref)
+    card = model_card(tmp_path / "prior" / "final", "tiny-llama")
+    assert "no `[f]` entry" in card and "first drafted level with weight 0.5" in card
+    assert "no `[f]` entry" not in model_card(tmp_path / "confu" / "final", "tiny-llama")
     with pytest.raises(SystemExit, match="has no contemplate_adapter"):
         main(common + ["--output-dir", str(tmp_path / "bad"), "--init-from", str(tmp_path / "eagle3" / "final"),
                        "--adapter-from", str(tmp_path / "eagle3" / "final"), "--contemplate"])

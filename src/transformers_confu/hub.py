@@ -57,9 +57,11 @@ def model_card(draft_dir: str | Path, base_model: str, bench: dict | None = None
     adapter_config = draft_dir / ADAPTER_FOLDER / "config.json"
     if config.get("contemplate") and adapter_config.is_file():
         adapter = json.loads(adapter_config.read_text())
+        entry = config.get("future_entry", True)
         lines[-1:-1] = [
             f"- ConFu future token `[f]`: MoE embedding of {config['future_experts']} experts, top-"
-            f"{config['future_top_k']}",
+            f"{config['future_top_k']}" if entry else
+            "- no `[f]` entry: f reaches the draft only as the prior below (the draft itself is an EAGLE-3 draft)",
             f"- target-side adapter (`contemplate_adapter/`, the target itself is unchanged): "
             f"{adapter['num_soft_tokens']} soft-prompt tokens seen only by `[con]` tokens, `[con]` MoE embedding "
             f"of {adapter['num_experts']} experts, top-{adapter['top_k']}",
