@@ -286,11 +286,12 @@ def speculative_generate(
         verify.keep(path, at, count)
         prior = None
         if fresh:
+            slot = hit.int().argmax()
             if entry:
-                future = (con_features[hit.int().argmax()], at + count - 1)
-            stats.fresh_futures += 1
+                future = (con_features[slot], at + count - 1)
             if mix:
-                prior = future_logit_weight * con_logits[hit.int().argmax(), drafter.d2t].float().log_softmax(-1)
+                prior = future_logit_weight * con_logits[slot, drafter.d2t].float().log_softmax(-1)
+            stats.fresh_futures += 1
         if compiled and not static.warm:
             stats.compile_seconds, static.warm = time.perf_counter() - t0, True
         stats.draft_seconds += t1 - t0
