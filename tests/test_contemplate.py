@@ -382,18 +382,24 @@ SHIPPED_ADAPTER = CONFU_DRAFT / ADAPTER_FOLDER
 
 @pytest.mark.parametrize("with_peft_config", [True, False], ids=["shipped", "pre-peft"])
 def test_shipped_adapter_loads_to_the_identical_weights(tmp_path, with_peft_config):
-    """The shipped adapter (soft prompt saved under the pre-peft key `soft_prompt`) loads into peft's
-    `PromptEmbedding` unchanged, with its peft config or (as saved before peft) without one."""
+    """The shipped adapter loads into peft's `PromptEmbedding` unchanged, with its peft config or as adapters
+    were saved before peft (the soft prompt under the key `soft_prompt`, no peft config)."""
+    from safetensors.torch import save_file
+
     folder = SHIPPED_ADAPTER
     if not with_peft_config:
         folder = tmp_path / ADAPTER_FOLDER
         folder.mkdir()
-        for name in ("config.json", "model.safetensors"):
-            shutil.copy(SHIPPED_ADAPTER / name, folder / name)
+        shutil.copy(SHIPPED_ADAPTER / "config.json", folder / "config.json")
+        weights = load_file(SHIPPED_ADAPTER / "model.safetensors")
+        prompt = weights.pop("prompt.embedding.weight", None)
+        save_file(weights if prompt is None else {"soft_prompt": prompt, **weights}, folder / "model.safetensors")
     saved = load_file(folder / "model.safetensors")
     adapter = ContemplateAdapter.from_pretrained(folder)
-    assert set(saved) == {"soft_prompt", "con_moe.experts", "con_moe.router.weight"}
-    assert torch.equal(adapter.prompt.embedding.weight, saved.pop("soft_prompt").float())
+    prompt_key = "prompt.embedding.weight" if "prompt.embedding.weight" in saved else "soft_prompt"
+    assert prompt_key == "soft_prompt" or with_peft_config
+    assert set(saved) == {prompt_key, "con_moe.experts", "con_moe.router.weight"}
+    assert torch.equal(adapter.prompt.embedding.weight, saved.pop(prompt_key).float())
     state = adapter.state_dict()
     assert set(state) == {"prompt.embedding.weight", *saved}
     assert all(torch.equal(state[key], value.float()) for key, value in saved.items())
