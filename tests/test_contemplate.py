@@ -257,8 +257,9 @@ def test_future_vectors_match_a_direct_forward(arch, lag):
             out = target.base_model(inputs_embeds=embeds, position_ids=positions, attention_mask=mask,
                                     output_hidden_states=True)
             direct = torch.cat([out.hidden_states[i][0, -1] for i in layers])
-            torch.testing.assert_close(f[b, k], direct, rtol=1e-4, atol=1e-5)
-            torch.testing.assert_close(hidden[b, k], out.last_hidden_state[0, -1], rtol=1e-4, atol=1e-5)
+            # fp32 sums in another order (cached keys vs one pass): a few 1e-5 apart
+            torch.testing.assert_close(f[b, k], direct, rtol=1e-4, atol=5e-5)
+            torch.testing.assert_close(hidden[b, k], out.last_hidden_state[0, -1], rtol=1e-4, atol=5e-5)
 
 
 def test_gradients_reach_the_adapter_only_through_contemplate_tokens():
