@@ -50,21 +50,27 @@ def dev_rows(answers: str, tokenizer) -> list[dict]:
 
 
 @torch.no_grad()
-def accuracy_by_confidence(draft, target, rows: list[dict], batch_size: int = 8) -> list[dict]:
-    """Depth-0 full-vocabulary accuracy of `draft` per bin of the target's top-1 probability (`BINS`)."""
-    collate = DataCollatorForDraft(pad_token_id=0)
-    confidence, correct = [], []
+def target_passes(target, rows: list[dict], feature_layers: list[int], batch_size: int = 8) -> list[dict]:
+    """The target's pass over `rows` in batches, once for all drafts: the batch, its fused features, the scored
+    depth-0 positions and the target's top-1 probability and token at the token they predict."""
+    collate, passes = DataCollatorForDraft(pad_token_id=0), []
     for start in range(0, len(rows), batch_size):
         batch = collate(rows[start : start + batch_size])
-        features, last = target_hidden(target, batch["input_ids"], batch["attention_mask"], draft.config.feature_layers)
-        hidden = ttt_hidden_states(draft, features, batch["input_ids"], batch["attention_mask"], steps=1)[0]
-        rows_, cols = ttt_valid_positions(batch["attention_mask"], batch["loss_mask"], 0).nonzero(as_tuple=True)
-        probs = target.lm_head(last[rows_, cols + 1]).float().softmax(dim=-1)
-        top_p, top_id = probs.max(dim=-1)
-        drafted = draft.d2t[draft.logits(hidden[rows_, cols]).argmax(dim=-1)]
-        confidence.append(top_p)
-        correct.append(drafted == top_id)
-    confidence, correct = torch.cat(confidence), torch.cat(correct).float()
+        features, last = target_hidden(target, batch["input_ids"], batch["attention_mask"], feature_layers)
+        where = ttt_valid_positions(batch["attention_mask"], batch["loss_mask"], 0).nonzero(as_tuple=True)
+        top_p, top_id = target.lm_head(last[where[0], where[1] + 1]).float().softmax(dim=-1).max(dim=-1)
+        passes.append(dict(batch=batch, features=features, where=where, top_p=top_p, top_id=top_id))
+    return passes
+
+
+@torch.no_grad()
+def accuracy_by_confidence(draft, passes: list[dict]) -> list[dict]:
+    """Depth-0 full-vocabulary accuracy of `draft` per bin of the target's top-1 probability (`BINS`)."""
+    correct = []
+    for p in passes:
+        hidden = ttt_hidden_states(draft, p["features"], p["batch"]["input_ids"], p["batch"]["attention_mask"], 1)[0]
+        correct.append(draft.d2t[draft.logits(hidden[p["where"]]).argmax(dim=-1)] == p["top_id"])
+    confidence, correct = torch.cat([p["top_p"] for p in passes]), torch.cat(correct).float()
     table = []
     for low, high in zip(BINS[:-1], BINS[1:]):
         inside = (confidence >= low) & (confidence < high)
@@ -85,21 +91,23 @@ def main() -> None:
     args = p.parse_args()
     target, tokenizer = load_target()
     rows = dev_rows(args.answers, tokenizer)
-    results = {}
+    results, passes = {}, {}  # passes: the target's, per feature-layer set
     for path in args.drafts:
         draft = ConFuDraftModel.from_pretrained(path, dtype=torch.float32)
         draft.attach_target(target)
         results[path] = {k: v for k, v in evaluate_ttt(draft, target, rows, args.steps).items() if "full_acc" in k}
         print(path, {k: round(v, 3) for k, v in results[path].items()}, flush=True)
         if args.by_confidence:
-            results[path]["by_confidence"] = accuracy_by_confidence(draft, target, rows)
+            layers = tuple(draft.config.feature_layers)
+            passes[layers] = passes.get(layers) or target_passes(target, rows, list(layers))
+            results[path]["by_confidence"] = accuracy_by_confidence(draft, passes[layers])
             for row in results[path]["by_confidence"]:
                 print(f"  target top-1 {row['target_top1']}: {100 * row['share']:.1f}% of positions, "
                       f"draft accuracy {row['draft_acc']:.3f}", flush=True)
     if args.out:
-        command = "python examples/dev_accuracy.py " + " ".join(
-            f"--{k.replace('_', '-')} {' '.join(v) if isinstance(v, list) else v}" for k, v in vars(args).items()
-            if v not in (None, False)).replace(" True", "")
+        options = [f"--{k.replace('_', '-')}" + ("" if v is True else f" {' '.join(v) if isinstance(v, list) else v}")
+                   for k, v in vars(args).items() if v not in (None, False)]
+        command = "python examples/dev_accuracy.py " + " ".join(options)
         Path(args.out).with_suffix(".json").write_text(json.dumps({"command": command, "results": results}, indent=2))
 
 

@@ -327,7 +327,9 @@ class ConFuTrainer(Trainer):
         if "future_token_count" in metrics:
             count = metrics["future_token_count"]
             self._future_hits += torch.stack([metrics["future_token_acc"] * count, self._future_hits.new_tensor(count)])
-        for step in range(self.args.ttt_steps if "count_0" in metrics else 0):  # none with a frozen draft
+        if "count_0" not in metrics:  # a frozen draft: no TTT loss, no TTT metrics
+            return
+        for step in range(self.args.ttt_steps):
             count = metrics[f"count_{step}"]
             self._ttt_correct[step] += metrics[f"acc_{step}"] * count
             self._ttt_full_correct[step] += metrics[f"full_acc_{step}"] * count
