@@ -4,7 +4,8 @@
   in-place growing cache (`regenerate.py`), same prompts, same batch;
 - feature cache: target tokens/s of building it;
 - training: tokens/s of `ConFuTrainer` steps with the target in the loop (the old path) and from the feature
-  cache (draft only), same rows, same draft;
+  cache (draft only), same rows, same draft, in every `--precisions` setting (`fp32`; `bf16`: bf16 mixed
+  precision, `confu-train --bf16`);
 
 each with every `--kernels` setting of the CPU linear layers: `mkl` (PyTorch's `F.linear`) and `onednn`
 (`packed_linear`: what `load_target` and `ConFuTrainer` use on a CPU).
@@ -62,7 +63,7 @@ def regeneration(model, tokenizer, conversations, batch: int, new_tokens: int) -
     return out
 
 
-def training(model, rows, steps: int, vocab: int, ttt_steps: int, cache_dir: Path) -> dict:
+def training(model, rows, steps: int, vocab: int, ttt_steps: int, cache_dir: Path, precisions: list[str]) -> dict:
     config = ConFuDraftConfig.for_target(model, draft_vocab_size=vocab)
     d2t = build_draft_vocab(rows, vocab, config.vocab_size)
     tokens = sum(len(r) for r in rows.select(range(steps * 8))["input_ids"])
@@ -73,13 +74,16 @@ def training(model, rows, steps: int, vocab: int, ttt_steps: int, cache_dir: Pat
     out["feature cache build"] = {"tokens": sum(len(r) for r in rows["input_ids"]), "seconds": seconds}
     out["feature cache build"]["tokens_per_second"] = out["feature cache build"]["tokens"] / seconds
     out["feature cache size GB"] = sum(p.stat().st_size for p in cache_dir.glob("*.arrow")) / 1e9
-    for name, data in (("target in the loop", rows), ("from the feature cache", cached.with_format("torch"))):
+    paths = (("target in the loop", rows), ("from the feature cache", cached.with_format("torch")))
+    for precision, (name, data) in ((precision, path) for precision in precisions for path in paths):
+        name = name if precision == "fp32" else f"{name}, {precision}"
         torch.manual_seed(0)
         draft = ConFuDraftModel(config)
         draft.set_vocab_map(d2t)
         args = ConFuTrainingArguments(output_dir=str(cache_dir / name.replace(" ", "-")), max_steps=steps,
                                       per_device_train_batch_size=8, save_strategy="no", report_to=[], use_cpu=True,
-                                      ttt_steps=ttt_steps, logging_steps=10**6, disable_tqdm=True)
+                                      bf16=precision == "bf16", ttt_steps=ttt_steps, logging_steps=10**6,
+                                      disable_tqdm=True)
         trainer = ConFuTrainer(model=draft, target_model=model, args=args, train_dataset=data.select(range(steps * 8)),
                                data_collator=DataCollatorForDraft(0))
         start = time.perf_counter()
@@ -98,6 +102,7 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=16384)
     p.add_argument("--ttt-steps", type=int, default=5)
     p.add_argument("--kernels", default="mkl,onednn", help="CPU linear kernels to compare: mkl, onednn")
+    p.add_argument("--precisions", default="fp32", help="training precisions to compare: fp32, bf16")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     model, tokenizer = load_target()
@@ -111,7 +116,8 @@ def main() -> None:
         with packed_kernels(kernel == "onednn"), tempfile.TemporaryDirectory() as tmp:
             for name, r in regeneration(model, tokenizer, conversations, args.regen_batch, args.regen_tokens).items():
                 result["regeneration"][f"{kernel}, {name}"] = r
-            for name, r in training(model, rows, args.train_steps, args.vocab, args.ttt_steps, Path(tmp)).items():
+            for name, r in training(model, rows, args.train_steps, args.vocab, args.ttt_steps, Path(tmp),
+                                      args.precisions.split(",")).items():
                 result["training"][f"{kernel}, {name}"] = r
     Path(args.out).with_suffix(".json").write_text(json.dumps(result, indent=2))
     md = [f"# Throughput on this machine\n\n`{result['command']}`\n\n{result['hardware']}; every row of a table was "

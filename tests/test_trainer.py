@@ -19,6 +19,7 @@ from transformers import TrainingArguments, default_data_collator
 from transformers_confu import ConFuDraftModel
 from transformers_confu.trainer import ConFuTrainer
 from transformers_confu.training_args import ConFuTrainingArguments
+from transformers_confu.ttt import draft_vocab_logits, teacher_logits
 
 RESUME_STEPS = 4
 
@@ -77,6 +78,25 @@ def test_training_lowers_the_loss_and_logs_step_accuracies(tmp_path):
     assert train_logs[-1]["loss"] < train_logs[0]["loss"]
     assert all(0 <= log[f"ttt_acc_{i}"] <= 1 for log in train_logs for i in range(3))
     assert train_logs[-1]["ttt_acc_0"] > train_logs[0]["ttt_acc_0"]
+
+
+def test_bf16_mixed_precision_on_cpu_trains_float32_weights_with_bfloat16_matmuls(tmp_path):
+    """`bf16=True` on a CPU: the draft's linear layers compute in bfloat16 (autocast), its weights stay float32
+    and learn, and the teacher's soft labels keep the float32 target's precision."""
+    trainer = make_trainer(tmp_path, max_steps=30, learning_rate=1e-2, logging_steps=10, bf16=True)
+    draft = trainer.model
+    seen: list[torch.dtype] = []
+    draft.fc.register_forward_hook(lambda module, args, out: seen.append(out.dtype))
+    trainer.train()
+    assert seen and set(seen) == {torch.bfloat16}
+    assert all(p.dtype == torch.float32 for p in draft.parameters())
+    train_logs = [log for log in trainer.state.log_history if "loss" in log]
+    assert train_logs[-1]["loss"] < train_logs[0]["loss"]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        hidden = torch.randn(4, trainer.target_model.config.hidden_size)
+        labels = teacher_logits(trainer.target_model, hidden, draft.d2t)
+    assert labels.dtype == torch.float32
+    torch.testing.assert_close(labels, draft_vocab_logits(trainer.target_model, hidden, draft.d2t))
 
 
 def test_target_is_frozen_and_not_trained(tmp_path):

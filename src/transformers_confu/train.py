@@ -48,7 +48,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                    help="where the target runs (regeneration, features) and the draft trains")
     p.add_argument("--bf16", action="store_true",
-                   help="target in bfloat16 and bf16 mixed-precision draft training (CUDA)")
+                   help="bf16 mixed-precision draft training (autocast; float32 master weights); on CUDA the "
+                        "target is also loaded in bfloat16, on a CPU it stays float32")
     p.add_argument("--output-dir", required=True, help="checkpoints go here; rerun to resume")
     p.add_argument("--data", nargs="+", default=None,
                    help=".jsonl/.json/.parquet files, folders of them, or Hub data set ids (org/name[:split]); chat "
@@ -185,7 +186,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     torch.manual_seed(args.seed)
-    target, tokenizer = load_target(args.target, torch_dtype=torch.bfloat16 if args.bf16 else torch.float32,
+    target, tokenizer = load_target(args.target, torch_dtype=torch.bfloat16 if args.bf16 and args.device != "cpu" else torch.float32,
                                     device=args.device)
     dataset = build_dataset(args, target, tokenizer)
     if args.regenerate_only:

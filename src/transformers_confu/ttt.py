@@ -69,8 +69,9 @@ def draft_vocab_logits(target: PreTrainedModel, hidden: torch.Tensor, d2t: torch
 
 
 def teacher_logits(target: PreTrainedModel, last_hidden: torch.Tensor, d2t: torch.LongTensor) -> torch.Tensor:
-    """`draft_vocab_logits` without gradients: the teacher distribution of the TTT loss."""
-    with torch.no_grad():
+    """`draft_vocab_logits` without gradients: the teacher distribution of the TTT loss, in the target's own
+    dtype also under mixed precision (autocast would round a float32 target's soft labels to bfloat16)."""
+    with torch.no_grad(), torch.autocast(last_hidden.device.type, enabled=False):
         return draft_vocab_logits(target, last_hidden, d2t)
 
 
@@ -214,7 +215,7 @@ def ttt_loss(
     metrics: dict[str, torch.Tensor] = {}
     for step, hidden in enumerate(hidden_states):
         rows, cols = ttt_valid_positions(attention_mask, loss_mask, step).nonzero(as_tuple=True)
-        logits = head.logits(hidden[rows, cols])  # the LM head only where there is a loss
+        logits = head.logits(hidden[rows, cols]).float()  # the LM head only where there is a loss
         teacher = target_logits[rows, cols + 1 + step]
         count = max(len(rows), 1)
         step_loss = soft_cross_entropy(logits, teacher).sum() / count
