@@ -145,6 +145,40 @@ def test_unroll_matches_sequential_drafting(setup):
             torch.testing.assert_close(hidden, unrolled[step][:, t : t + 1], atol=1e-5, rtol=1e-4)
 
 
+def test_own_key_blocks_match_sdpa_over_the_full_mask(setup):
+    """The TTT fast path (each step's earlier own keys scored as dot products, `ttt_attention`) gives the hidden
+    states and gradients of SDPA over the full (B, 1, T, (step+1)T) mask, with padding and grouped KV heads."""
+    _, draft, batch, features, _ = setup
+    mask = batch["attention_mask"].clone()
+    mask[0, -3:] = 0
+    weights = [torch.randn(2, LENGTH, draft.config.hidden_size, generator=torch.Generator().manual_seed(s))
+               for s in range(4)]
+
+    def loss_and_grads(unroll):
+        draft.zero_grad()
+        hidden = unroll()
+        loss = sum((h * w).sum() for h, w in zip(hidden, weights))
+        loss.backward()
+        return hidden, {n: p.grad.clone() for n, p in draft.named_parameters() if p.grad is not None}
+
+    def masked_sdpa():
+        cache, hidden, outputs = DynamicCache(), features, []
+        positions = torch.arange(LENGTH).expand(2, LENGTH)
+        for step in range(4):
+            hidden = draft(shift_left(batch["input_ids"], 1 + step), hidden, positions + step,
+                           ttt_attention_mask(mask, step, torch.float32), cache)
+            outputs.append(hidden)
+        return outputs
+
+    fast, fast_grads = loss_and_grads(lambda: ttt_hidden_states(draft, features, batch["input_ids"], mask, 4))
+    reference, reference_grads = loss_and_grads(masked_sdpa)
+    for a, b in zip(fast, reference):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+    assert fast_grads.keys() == reference_grads.keys() and "self_attn.q_proj.weight" in fast_grads
+    for name in fast_grads:
+        torch.testing.assert_close(fast_grads[name], reference_grads[name], atol=1e-4, rtol=1e-3, msg=name)
+
+
 def test_chain_ignores_other_chains_keys(setup):
     """Perturbing the keys and values of every chain but one at steps > 0 leaves that chain unchanged."""
     _, draft, batch, features, _ = setup

@@ -157,7 +157,8 @@ def ttt_hidden_states(
                            future_keys=keys)
             hidden = hidden[:, :length]
         else:
-            hidden = draft(shift_left(input_ids, 1 + step), hidden, positions + step, mask, cache, future_keys=keys)
+            hidden = draft(shift_left(input_ids, 1 + step), hidden, positions + step, mask, cache, future_keys=keys,
+                           own_key_blocks=step)
         outputs.append(hidden)
     return outputs
 

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from transformers import AutoConfig, AutoModel, PreTrainedModel
+from transformers import AttentionInterface, AutoConfig, AutoModel, PreTrainedModel
 from transformers import initialization as init
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from .configuration_confu import ConFuDraftConfig
 
@@ -32,6 +33,46 @@ class MoEEmbedding(nn.Module):
         return (scores.softmax(dim=-1).unsqueeze(-1) * self.experts[chosen]).sum(dim=-2)
 
 
+def ttt_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    own_key_blocks: int = 0,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """The draft's attention: transformers' SDPA, except in a training-time-test step (`own_key_blocks` > 0).
+
+    There the last `own_key_blocks` blocks of T keys are the draft's own earlier steps, each seen only by the
+    query at the same position (`ttt.ttt_attention_mask`: identity blocks). They are scored as T dot products
+    each, instead of T x T entries of which all but T are masked; the mask is read over the other keys only.
+    query (B, Hq, T, d), key/value (B, Hkv, N, d) -> (B, T, Hq, d)."""
+    if not own_key_blocks:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    if dropout:
+        raise ValueError("The training-time-test attention has no dropout: build the draft with attention_dropout=0.")
+    length, groups = query.shape[2], query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    shared = key.shape[2] - own_key_blocks * length
+    own_keys = key[:, :, shared:].unflatten(2, (own_key_blocks, length))  # (B, H, S, T, d)
+    own_values = value[:, :, shared:].unflatten(2, (own_key_blocks, length))
+    scores = torch.cat([
+        torch.matmul(query, key[:, :, :shared].transpose(2, 3)) * scaling + attention_mask[..., :shared],
+        torch.einsum("bhtd,bhstd->bhts", query, own_keys) * scaling,
+    ], dim=-1)
+    probs = scores.softmax(dim=-1, dtype=torch.float32).to(query.dtype)
+    out = torch.matmul(probs[..., :shared], value[:, :, :shared])
+    out = out + torch.einsum("bhts,bhstd->bhtd", probs[..., shared:], own_values)
+    return out.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register("confu_ttt", ttt_attention)
+
+
 def build_family_layer(config: ConFuDraftConfig) -> tuple[nn.Module, nn.Module, type]:
     """Build one decoder layer and the rotary embedding of the target's family.
 
@@ -50,6 +91,7 @@ def build_family_layer(config: ConFuDraftConfig) -> tuple[nn.Module, nn.Module, 
     base = AutoModel.from_config(family, attn_implementation="sdpa")
     layer = base.layers[0]
     attn = layer.self_attn
+    attn.config._attn_implementation = "confu_ttt"  # SDPA, with the TTT fast path (`ttt_attention`)
     for name in ("q_proj", "k_proj", "v_proj"):
         old: nn.Linear = getattr(attn, name)
         setattr(attn, name, nn.Linear(2 * old.in_features, old.out_features, bias=old.bias is not None))
@@ -178,6 +220,7 @@ class ConFuDraftModel(PreTrainedModel):
         cache=None,
         future: torch.Tensor | None = None,
         future_keys: slice | None = None,
+        own_key_blocks: int = 0,
     ) -> torch.Tensor:
         """One draft step over T positions (and K future entries).
 
@@ -190,6 +233,9 @@ class ConFuDraftModel(PreTrainedModel):
             future: optional (B, K, 3H) future vectors (ConFu), appended as K `[f]` entries after the T.
             future_keys: the key columns of `[f]` entries (in the cache or appended now); the learned
                 `future_bias` is added to their attention logits.
+            own_key_blocks: training-time test: the last this many blocks of T keys (with the new ones) are the
+                draft's earlier steps at the same positions, which the mask lets each query see only at its own
+                position; they are then scored without the T x T products (`ttt_attention`).
 
         Returns:
             (B, T + K, H) the draft's hidden states: the features of its next step; `logits()` maps them to
@@ -210,7 +256,7 @@ class ConFuDraftModel(PreTrainedModel):
             attention_mask = attention_mask.clone()
             attention_mask[..., future_keys] += self.future_bias.to(attention_mask.dtype)
         position_embeddings = self.rotary_emb(x, position_ids=position_ids)
-        attn, _ = self.self_attn(x, position_embeddings, attention_mask, cache)
+        attn, _ = self.self_attn(x, position_embeddings, attention_mask, cache, own_key_blocks=own_key_blocks)
         hidden_states = hidden_states + attn
         return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
 
