@@ -66,7 +66,7 @@ def regeneration(model, tokenizer, conversations, batch: int, new_tokens: int) -
 def training(model, rows, steps: int, vocab: int, ttt_steps: int, cache_dir: Path, precisions: list[str]) -> dict:
     config = ConFuDraftConfig.for_target(model, draft_vocab_size=vocab)
     d2t = build_draft_vocab(rows, vocab, config.vocab_size)
-    tokens = sum(len(r) for r in rows.select(range(steps * 8))["input_ids"])
+    tokens = sum(len(r) for r in rows["input_ids"])
     out = {}
     start = time.perf_counter()
     cached = build_feature_cache(rows, model, config.feature_layers, cache_dir)
@@ -84,7 +84,7 @@ def training(model, rows, steps: int, vocab: int, ttt_steps: int, cache_dir: Pat
                                       per_device_train_batch_size=8, save_strategy="no", report_to=[], use_cpu=True,
                                       bf16=precision == "bf16", ttt_steps=ttt_steps, logging_steps=10**6,
                                       disable_tqdm=True)
-        trainer = ConFuTrainer(model=draft, target_model=model, args=args, train_dataset=data.select(range(steps * 8)),
+        trainer = ConFuTrainer(model=draft, target_model=model, args=args, train_dataset=data,
                                data_collator=DataCollatorForDraft(0))
         start = time.perf_counter()
         trainer.train()
@@ -107,7 +107,8 @@ def main() -> None:
     args = p.parse_args()
     model, tokenizer = load_target()
     conversations = load_conversations(find_sources(data_dir=args.data_dir)).shuffle(seed=1)
-    rows = tokenize_conversations(conversations.select(range(args.train_steps * 8)), tokenizer)
+    rows = tokenize_conversations(conversations.select(range(2 * args.train_steps * 8)), tokenizer)
+    rows = rows.select(range(min(len(rows), args.train_steps * 8)))  # tokenizing drops unusable rows
     result = {"command": "python examples/bench_throughput.py " + " ".join(
         f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()),
         "hardware": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, fp32",
