@@ -19,7 +19,7 @@ from transformers import TrainingArguments, default_data_collator
 from transformers_confu import ConFuDraftModel
 from transformers_confu.trainer import ConFuTrainer
 from transformers_confu.training_args import ConFuTrainingArguments
-from transformers_confu.ttt import draft_vocab_logits, teacher_logits
+from transformers_confu.ttt import draft_vocab_logits, target_hidden, teacher_logits
 
 RESUME_STEPS = 4
 
@@ -82,7 +82,7 @@ def test_training_lowers_the_loss_and_logs_step_accuracies(tmp_path):
 
 def test_bf16_mixed_precision_on_cpu_trains_float32_weights_with_bfloat16_matmuls(tmp_path):
     """`bf16=True` on a CPU: the draft's linear layers compute in bfloat16 (autocast), its weights stay float32
-    and learn, and the teacher's soft labels keep the float32 target's precision."""
+    and learn, and the float32 target's features and soft labels are computed in float32 (as when decoding)."""
     trainer = make_trainer(tmp_path, max_steps=30, learning_rate=1e-2, logging_steps=10, bf16=True)
     draft = trainer.model
     seen: list[torch.dtype] = []
@@ -92,11 +92,15 @@ def test_bf16_mixed_precision_on_cpu_trains_float32_weights_with_bfloat16_matmul
     assert all(p.dtype == torch.float32 for p in draft.parameters())
     train_logs = [log for log in trainer.state.log_history if "loss" in log]
     assert train_logs[-1]["loss"] < train_logs[0]["loss"]
+    target, batch = trainer.target_model, tiny_dataset(2)
+    ids, mask = torch.stack([r["input_ids"] for r in batch]), torch.stack([r["attention_mask"] for r in batch])
+    hidden = torch.randn(4, target.config.hidden_size)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        hidden = torch.randn(4, trainer.target_model.config.hidden_size)
-        labels = teacher_logits(trainer.target_model, hidden, draft.d2t)
-    assert labels.dtype == torch.float32
-    torch.testing.assert_close(labels, draft_vocab_logits(trainer.target_model, hidden, draft.d2t))
+        labels = teacher_logits(target, hidden, draft.d2t)
+        features, last = target_hidden(target, ids, mask, draft.config.feature_layers)
+    assert labels.dtype == features.dtype == torch.float32
+    torch.testing.assert_close(labels, draft_vocab_logits(target, hidden, draft.d2t))
+    torch.testing.assert_close(features, target_hidden(target, ids, mask, draft.config.feature_layers)[0])
 
 
 def test_target_is_frozen_and_not_trained(tmp_path):

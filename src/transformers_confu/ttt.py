@@ -50,8 +50,9 @@ def target_hidden(
     """One frozen target forward: `(features, last_hidden)`, (B, T, 3H) the concatenated hidden states of
     `feature_layers` (indices into the `hidden_states` tuple) and (B, T, H) the final (normed) hidden state,
     from which `teacher_logits` and `target_argmax` read the target's distribution. `cache`: a
-    `DynamicCache` to fill with the real tokens' keys and values (ConFu's `[con]` pass reads it)."""
-    with torch.no_grad():
+    `DynamicCache` to fill with the real tokens' keys and values (ConFu's `[con]` pass reads it). Computed in
+    the target's own dtype also under mixed precision: the features the draft will see when decoding."""
+    with torch.no_grad(), torch.autocast(input_ids.device.type, enabled=False):
         kwargs = {} if cache is None else cache_kwargs(target.base_model, cache)
         out = target.base_model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True,
                                 use_cache=cache is not None, **kwargs)
@@ -76,10 +77,11 @@ def teacher_logits(target: PreTrainedModel, last_hidden: torch.Tensor, d2t: torc
 
 
 def target_argmax(target: PreTrainedModel, last_hidden: torch.Tensor, chunk: int = 4096) -> torch.LongTensor:
-    """(B, T, H) final hidden states -> (B, T) the target's greedy token over its FULL vocabulary."""
+    """(B, T, H) final hidden states -> (B, T) the target's greedy token over its FULL vocabulary (in the
+    target's dtype also under mixed precision)."""
     head: nn.Linear = target.get_output_embeddings()
     flat = last_hidden.reshape(-1, last_hidden.shape[-1]).to(head.weight.dtype)
-    with torch.no_grad():
+    with torch.no_grad(), torch.autocast(last_hidden.device.type, enabled=False):
         ids = [head(flat[i : i + chunk]).argmax(dim=-1) for i in range(0, len(flat), chunk)]
     return torch.cat(ids).reshape(last_hidden.shape[:-1]) if ids else flat.new_zeros(last_hidden.shape[:-1], dtype=torch.long)
 
