@@ -16,6 +16,7 @@ each with every `--kernels` setting of the CPU linear layers: `mkl` (PyTorch's `
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import platform
 import tempfile
@@ -71,11 +72,10 @@ def training(model, rows, steps: int, vocab: int, ttt_steps: int, cache_dir: Pat
     start = time.perf_counter()
     cached = build_feature_cache(rows, model, config.feature_layers, cache_dir)
     seconds = time.perf_counter() - start
-    out["feature cache build"] = {"tokens": sum(len(r) for r in rows["input_ids"]), "seconds": seconds}
-    out["feature cache build"]["tokens_per_second"] = out["feature cache build"]["tokens"] / seconds
+    out["feature cache build"] = {"tokens": tokens, "seconds": seconds, "tokens_per_second": tokens / seconds}
     out["feature cache size GB"] = sum(p.stat().st_size for p in cache_dir.glob("*.arrow")) / 1e9
     paths = (("target in the loop", rows), ("from the feature cache", cached.with_format("torch")))
-    for precision, (name, data) in ((precision, path) for precision in precisions for path in paths):
+    for precision, (name, data) in itertools.product(precisions, paths):
         name = name if precision == "fp32" else f"{name}, {precision}"
         torch.manual_seed(0)
         draft = ConFuDraftModel(config)

@@ -186,8 +186,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     torch.manual_seed(args.seed)
-    target, tokenizer = load_target(args.target, torch_dtype=torch.bfloat16 if args.bf16 and args.device != "cpu" else torch.float32,
-                                    device=args.device)
+    target_dtype = torch.bfloat16 if args.bf16 and args.device != "cpu" else torch.float32
+    target, tokenizer = load_target(args.target, torch_dtype=target_dtype, device=args.device)
     dataset = build_dataset(args, target, tokenizer)
     if args.regenerate_only:
         return

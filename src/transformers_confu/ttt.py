@@ -150,17 +150,19 @@ def ttt_hidden_states(
     hidden = features.to(dtype)
     visible = None if future is None else future.visible
     keys = None if future is None else slice(length, length + future.anchors.shape[1])
+    # step 0's mask; later steps read its first T rows over the shared keys, and their own earlier keys
+    # (the identity blocks of `ttt_attention_mask`) are scored apart (`own_key_blocks`, `ttt_attention`)
+    mask = ttt_attention_mask(attention_mask, 0, dtype, visible)
     outputs = []
     for step in range(steps):
-        mask = ttt_attention_mask(attention_mask, step, dtype, visible)
         if step == 0 and future is not None:
             step_positions = torch.cat([positions, future.anchors], dim=1)
             hidden = draft(shift_left(input_ids, 1), hidden, step_positions, mask, cache, future=future.vectors,
                            future_keys=keys)
             hidden = hidden[:, :length]
         else:
-            hidden = draft(shift_left(input_ids, 1 + step), hidden, positions + step, mask, cache, future_keys=keys,
-                           own_key_blocks=step)
+            hidden = draft(shift_left(input_ids, 1 + step), hidden, positions + step, mask[:, :, :length], cache,
+                           future_keys=keys, own_key_blocks=step)
         outputs.append(hidden)
     return outputs
 

@@ -48,8 +48,8 @@ def ttt_attention(
 
     There the last `own_key_blocks` blocks of T keys are the draft's own earlier steps, each seen only by the
     query at the same position (`ttt.ttt_attention_mask`: identity blocks). They are scored as T dot products
-    each, instead of T x T entries of which all but T are masked; the mask is read over the other keys only.
-    query (B, Hq, T, d), key/value (B, Hkv, N, d) -> (B, T, Hq, d)."""
+    each, instead of T x T entries of which all but T are masked, and `attention_mask` covers the other keys
+    only. query (B, Hq, T, d), key/value (B, Hkv, N, d), mask (B, 1, T, N - own_key_blocks T) -> (B, T, Hq, d)."""
     if not own_key_blocks:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
@@ -58,10 +58,13 @@ def ttt_attention(
     length, groups = query.shape[2], query.shape[1] // key.shape[1]
     key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
     shared = key.shape[2] - own_key_blocks * length
+    if attention_mask.shape[-1] != shared:
+        raise ValueError(f"With {own_key_blocks} own-key blocks the mask covers the first {shared} keys, "
+                         f"not {attention_mask.shape[-1]}.")
     own_keys = key[:, :, shared:].unflatten(2, (own_key_blocks, length))  # (B, H, S, T, d)
     own_values = value[:, :, shared:].unflatten(2, (own_key_blocks, length))
     scores = torch.cat([
-        torch.matmul(query, key[:, :, :shared].transpose(2, 3)) * scaling + attention_mask[..., :shared],
+        torch.matmul(query, key[:, :, :shared].transpose(2, 3)) * scaling + attention_mask,
         torch.einsum("bhtd,bhstd->bhts", query, own_keys) * scaling,
     ], dim=-1)
     probs = scores.softmax(dim=-1, dtype=torch.float32).to(query.dtype)
@@ -234,8 +237,8 @@ class ConFuDraftModel(PreTrainedModel):
             future_keys: the key columns of `[f]` entries (in the cache or appended now); the learned
                 `future_bias` is added to their attention logits.
             own_key_blocks: training-time test: the last this many blocks of T keys (with the new ones) are the
-                draft's earlier steps at the same positions, which the mask lets each query see only at its own
-                position; they are then scored without the T x T products (`ttt_attention`).
+                draft's earlier steps, each query seeing its own position's only; they are scored without the
+                T x T products and `attention_mask` covers the other keys only (`ttt_attention`).
 
         Returns:
             (B, T + K, H) the draft's hidden states: the features of its next step; `logits()` maps them to
