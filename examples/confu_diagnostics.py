@@ -60,6 +60,9 @@ def main() -> None:
     p.add_argument("--anchor-ratio", type=float, default=0.1)
     p.add_argument("--window", type=int, default=4)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--per-anchor", action="store_true",
+                   help="also write, per anchor, whether the draft, the [con] and each mix are right (0/1 strings, "
+                   "same anchors for any adapter at the same seed: for paired comparisons)")
     p.add_argument("--out", required=True, help="writes OUT.json and OUT.md")
     args = p.parse_args()
     target, tokenizer = load_target()
@@ -75,6 +78,7 @@ def main() -> None:
     con_usage = torch.zeros(adapter.con_moe.router.out_features)
     f_usage = torch.zeros(draft.future_moe.router.out_features) if entry else None
     con_spread, f_spread = [], []
+    per_anchor = {key: [] for key in ("draft", "con", *(f"mix_w{w}" for w in MIX_WEIGHTS))}
     for row in dev_rows(args.answers, tokenizer):
         ids, loss_mask = torch.tensor([row["input_ids"]]), torch.tensor([row["loss_mask"]])
         attention_mask, length = torch.ones_like(ids), ids.shape[1]
@@ -97,8 +101,12 @@ def main() -> None:
         con_logp = draft_vocab_logits(target, hidden[0, scored], draft.d2t).float().log_softmax(-1)
         draft_logp = draft.logits(without_f[0, at]).float().log_softmax(-1)
         con_right, draft_right = draft.d2t[con_logp.argmax(-1)] == wanted, draft.d2t[draft_logp.argmax(-1)] == wanted
+        per_anchor["draft"] += draft_right.tolist()
+        per_anchor["con"] += con_right.tolist()
         for w in MIX_WEIGHTS:
-            totals[f"mix_{w}"] += float((draft.d2t[(draft_logp + w * con_logp).argmax(-1)] == wanted).sum())
+            mix_right = draft.d2t[(draft_logp + w * con_logp).argmax(-1)] == wanted
+            totals[f"mix_{w}"] += float(mix_right.sum())
+            per_anchor[f"mix_w{w}"] += mix_right.tolist()
         totals["anchors"] += len(at)
         totals["draft_at_anchors"] += float(draft_right.sum())
         totals["con_only"] += float((con_right & ~draft_right).sum())
@@ -139,12 +147,16 @@ def main() -> None:
             future_attention_bias=float(draft.future_bias), f_router_logit_std=sum(f_spread) / len(f_spread),
             f_expert_usage=(f_usage / f_usage.sum()).tolist())
     result["command"] = "python examples/confu_diagnostics.py " + " ".join(
-        f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None)
+        f"--{k.replace('_', '-')}" if v is True else f"--{k.replace('_', '-')} {v}"
+        for k, v in vars(args).items() if v not in (None, False))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    if args.per_anchor:
+        result["per_anchor"] = {key: "".join("1" if right else "0" for right in values)
+                                for key, values in per_anchor.items()}
     Path(args.out).with_suffix(".json").write_text(json.dumps(result, indent=2))
     md = [f"# Does the ConFu draft use f?\n\n`{result['command']}`\n", "| measurement | value |", "|---|---|"]
     md += [f"| {k} | {', '.join(f'{x:.3f}' for x in v) if isinstance(v, list) else (f'{v:.4f}' if isinstance(v, float) else v)} |"
-           for k, v in result.items() if k not in ("command", "draft")]
+           for k, v in result.items() if k not in ("command", "draft", "per_anchor")]
     Path(args.out).with_suffix(".md").write_text("\n".join(md) + "\n")
     print("\n".join(md))
 

@@ -88,7 +88,8 @@ def test_confu_training_from_an_eagle3_draft_resumes_and_loads(tmp_path):
     # the adapter alone, continued from the ConFu run onto the EAGLE-3 draft, f as a first-level prior only
     main(common + ["--output-dir", str(tmp_path / "prior"), "--init-from", str(tmp_path / "eagle3" / "final"),
                    "--adapter-from", str(tmp_path / "confu" / "final"), "--contemplate", "--no-future-entry",
-                   "--freeze-draft", "--future-token-weight", "1", "--anchor-ratio", "0.5"])
+                   "--freeze-draft", "--future-token-weight", "1", "--anchor-ratio", "0.5", "--max-steps", "6"])
+    assert json.loads((tmp_path / "prior" / "final" / "training_record.json").read_text())["global_step"] == 6
     prior = ConFuAssistant.from_pretrained(tmp_path / "prior" / "final", target_model=target)
     eagle3 = ConFuAssistant.from_pretrained(tmp_path / "eagle3" / "final", target_model=target)
     config = prior.draft.config

@@ -110,6 +110,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="ConFu: learning-rate multiplier of the adapter and [f] MoE (fresh modules)")
     p.add_argument("--ttt-steps", type=int, default=None, help="training-time-test depth (default: the --tree depth + 1)")
     p.add_argument("--epochs", type=float, default=1.0)
+    p.add_argument("--max-steps", type=int, default=-1,
+                   help="train exactly this many optimizer steps (overrides --epochs; the data repeats if needed)")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--grad-accum", type=int, default=1)
     p.add_argument("--lr", type=float, default=5e-4)
@@ -208,7 +210,7 @@ def main(argv: list[str] | None = None) -> None:
         anchor_ratio=args.anchor_ratio, replication_window=args.replication_window, route_lag=args.route_lag,
         future_token_weight=args.future_token_weight, freeze_draft=args.freeze_draft,
         contemplate_lr_scale=args.contemplate_lr_scale,
-        num_train_epochs=args.epochs, per_device_train_batch_size=args.batch_size,
+        num_train_epochs=args.epochs, max_steps=args.max_steps, per_device_train_batch_size=args.batch_size,
         gradient_accumulation_steps=args.grad_accum, learning_rate=args.lr, warmup_steps=args.warmup_steps,
         adam_beta1=0.9, adam_beta2=0.95, max_grad_norm=0.5, weight_decay=0.0, lr_scheduler_type="cosine",
         logging_steps=10, save_strategy="steps", save_steps=estimate_save_steps(args),
