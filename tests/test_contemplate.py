@@ -15,6 +15,7 @@ from transformers_confu import ConFuAssistant, ConFuDraftConfig
 from transformers_confu.anchors import future_vectors, future_visibility, sample_anchors
 from transformers_confu.contemplate import ADAPTER_FOLDER, ContemplateAdapter
 from transformers_confu.generation import _Target
+from transformers_confu.hub import model_card
 from transformers_confu.modeling_confu import ConFuDraftModel
 from transformers_confu.target import CONFU_DRAFT
 from transformers_confu.tree import DraftTree, TreeDrafter
@@ -67,6 +68,30 @@ def test_contemplate_nodes_bounds_the_con_tokens_per_pass(contemplate_nodes, mon
         assert assistant.stats.fresh_futures == 0
     else:
         assert assistant.stats.fresh_futures > 0
+
+
+def test_contemplate_when_greedy_false_drops_the_con_tokens_in_greedy_calls_only(tmp_path):
+    """A draft saved with `contemplate_when_greedy=False`: greedy calls send no `[con]` (and stay identical to
+    plain generate), sampling calls do, and `contemplate_nodes` set in the call or on the assistant wins."""
+    target = tiny_target("llama")
+    confu_assistant(target, depth=3, top_k=2, total_tokens=6).save_pretrained(tmp_path / "draft")
+    config = ConFuDraftConfig.from_pretrained(tmp_path / "draft")
+    assert config.contemplate_when_greedy is True  # the default: the paper's behaviour
+    config.contemplate_when_greedy = False
+    config.save_pretrained(tmp_path / "draft")
+    assistant = ConFuAssistant.from_pretrained(tmp_path / "draft", target_model=target)
+    assert assistant.draft.config.contemplate_when_greedy is False
+    assert "none in greedy decoding" in model_card(tmp_path / "draft", "tiny-llama")
+    ids = torch.randint(0, 128, (1, 7), generator=torch.Generator().manual_seed(1))
+    out = target.generate(ids, max_new_tokens=20, do_sample=False, assistant_model=assistant)
+    assert torch.equal(out, plain(target, ids, max_new_tokens=20)) and assistant.stats.fresh_futures == 0
+    target.generate(ids, max_new_tokens=20, do_sample=True, temperature=0.7, assistant_model=assistant)
+    assert assistant.stats.fresh_futures > 0
+    out = target.generate(ids, max_new_tokens=20, do_sample=False, assistant_model=assistant, contemplate_nodes=1)
+    assert torch.equal(out, plain(target, ids, max_new_tokens=20)) and assistant.stats.fresh_futures > 0
+    pinned = ConFuAssistant.from_pretrained(tmp_path / "draft", target_model=target, contemplate_nodes=2)
+    target.generate(ids, max_new_tokens=20, do_sample=False, assistant_model=pinned)
+    assert pinned.stats.fresh_futures > 0
 
 
 def test_real_token_logits_unchanged_by_contemplate_tokens(arch):

@@ -72,7 +72,8 @@ class ConFuAssistant:
         stats: `SpeculativeStats` of the last `generate` call.
         adapter: ConFu's `ContemplateAdapter` for the target (drafts with `contemplate=True`), else None.
         contemplate_nodes: ConFu: how many tree nodes get a `[con]` (None: all, 0: none, i.e. the draft without
-            its future token); a call can override it with `contemplate_nodes=`.
+            its future token); a call can override it with `contemplate_nodes=`. Unless it is set here or in the
+            call, greedy calls of a draft with `contemplate_when_greedy=False` run with 0.
 
     A call can also override the draft config's `future_logit_weight` (ConFu: how much the `[con]`'s own
     prediction is mixed into the first drafted level) with `future_logit_weight=`.
@@ -96,6 +97,7 @@ class ConFuAssistant:
             if adapter is not None:
                 pack_linear_weights(adapter)
         self.adapter = adapter
+        self._nodes_set = contemplate_nodes is not None
         self.contemplate_nodes = contemplate_nodes if contemplate_nodes is not None else draft.config.contemplate_nodes
         self.target = target_model
         cfg = draft.config
@@ -198,6 +200,7 @@ class ConFuAssistant:
                              f"({self.draft.config.draft_vocab_size}).")
         _check_attention_mask(kwargs.pop("attention_mask", None))
         tokenizer, streamer = kwargs.pop("tokenizer", None), kwargs.pop("streamer", None)
+        nodes_set = self._nodes_set or "contemplate_nodes" in kwargs
         contemplate_nodes = kwargs.pop("contemplate_nodes", self.contemplate_nodes)
         if contemplate_nodes is not None and contemplate_nodes < 0:
             raise ValueError(f"contemplate_nodes={contemplate_nodes} must be >= 0 (or None for every node).")
@@ -205,6 +208,8 @@ class ConFuAssistant:
         if future_logit_weight < 0:
             raise ValueError(f"future_logit_weight={future_logit_weight} must be >= 0 (0: off).")
         config = _generation_config(target, kwargs)
+        if not (nodes_set or config.do_sample or self.draft.config.contemplate_when_greedy):
+            contemplate_nodes = 0
         max_new = _max_new_tokens(config, input_ids.shape[1], budget, target)
         self.stats = SpeculativeStats()
         temperature = (config.temperature or 1.0) if config.do_sample else None

@@ -65,7 +65,10 @@ def model_card(draft_dir: str | Path, base_model: str, bench: dict | None = None
             f"- target-side adapter (`contemplate_adapter/`, the target itself is unchanged): "
             f"{adapter['num_soft_tokens']} soft-prompt tokens seen only by `[con]` tokens, `[con]` MoE embedding "
             f"of {adapter['num_experts']} experts, top-{adapter['top_k']}",
-            f"- `[con]` tokens per verify pass: {_con_tokens(config.get('contemplate_nodes'))}",
+            f"- `[con]` tokens per verify pass: {_con_tokens(config.get('contemplate_nodes'))}"
+            + ("" if config.get("contemplate_when_greedy", True) else
+               " when sampling; none in greedy decoding (`contemplate_when_greedy=False`; pass `contemplate_nodes=` "
+               "to `generate` to use them there too)"),
             f"- the `[con]`'s own prediction mixed into the first drafted level with weight "
             f"{config.get('future_logit_weight', 0.0)} (0: off)",
         ]
