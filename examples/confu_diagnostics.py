@@ -12,6 +12,8 @@ positions that see an f:
   as the draft's own first prediction (it sees one more token than the `[con]`), and how often the `[con]` is
   right where the draft is wrong: what f could add to the draft's first prediction at best;
 - `mix_acc_at_anchors_w{w}`: the draft's first prediction from `log q + w log p_con` (`future_logit_weight`);
+  `..._prob{s}` from the mixture `(1 - s) q + s p_con`; `..._more_confident` the top token of whichever of the
+  two is surer (other ways to combine the two, for comparison);
 - router statistics of the `[con]` MoE (routed by the target's state) and the `[f]` MoE: expert usage and
   the spread of the router logits (a router at its initial scale has not learned to route), and the learned
   `[f]` attention bias.
@@ -24,6 +26,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -48,7 +52,21 @@ from transformers_confu.ttt import (
     ttt_valid_positions,
 )
 
-MIX_WEIGHTS = (0.25, 0.5, 1.0, 2.0)
+
+def log_mix(q: torch.Tensor, p: torch.Tensor, w: float) -> torch.Tensor:
+    return q + w * p
+
+
+def prob_mix(q: torch.Tensor, p: torch.Tensor, share: float) -> torch.Tensor:
+    return torch.logaddexp(q + math.log1p(-share), p + math.log(share))
+
+
+def more_confident(q: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    return torch.where((q.max(-1).values >= p.max(-1).values)[:, None], q, p)
+
+
+COMBINERS = {**{f"w{w}": partial(log_mix, w=w) for w in (0.25, 0.5, 1.0, 2.0)},
+             **{f"prob{s}": partial(prob_mix, share=s) for s in (0.25, 0.5)}, "more_confident": more_confident}
 
 
 @torch.no_grad()
@@ -74,11 +92,11 @@ def main() -> None:
     draft.self_attn.register_forward_hook(lambda module, inputs, out: weights.append(out[1]))
     generator = torch.Generator().manual_seed(args.seed)
     totals = dict(kl=0.0, acc_with=0.0, acc_without=0.0, attention=0.0, positions=0, con_hits=0.0, con_count=0,
-                  anchors=0, draft_at_anchors=0.0, con_only=0.0, **{f"mix_{w}": 0.0 for w in MIX_WEIGHTS})
+                  anchors=0, draft_at_anchors=0.0, con_only=0.0, **{f"mix_{name}": 0.0 for name in COMBINERS})
     con_usage = torch.zeros(adapter.con_moe.router.out_features)
     f_usage = torch.zeros(draft.future_moe.router.out_features) if entry else None
     con_spread, f_spread = [], []
-    per_anchor = {key: [] for key in ("draft", "con", *(f"mix_w{w}" for w in MIX_WEIGHTS))}
+    per_anchor = {key: [] for key in ("draft", "con", *(f"mix_{name}" for name in COMBINERS))}
     for row in dev_rows(args.answers, tokenizer):
         ids, loss_mask = torch.tensor([row["input_ids"]]), torch.tensor([row["loss_mask"]])
         attention_mask, length = torch.ones_like(ids), ids.shape[1]
@@ -103,10 +121,10 @@ def main() -> None:
         con_right, draft_right = draft.d2t[con_logp.argmax(-1)] == wanted, draft.d2t[draft_logp.argmax(-1)] == wanted
         per_anchor["draft"] += draft_right.tolist()
         per_anchor["con"] += con_right.tolist()
-        for w in MIX_WEIGHTS:
-            mix_right = draft.d2t[(draft_logp + w * con_logp).argmax(-1)] == wanted
-            totals[f"mix_{w}"] += float(mix_right.sum())
-            per_anchor[f"mix_w{w}"] += mix_right.tolist()
+        for name, combine in COMBINERS.items():
+            mix_right = draft.d2t[combine(draft_logp, con_logp).argmax(-1)] == wanted
+            totals[f"mix_{name}"] += float(mix_right.sum())
+            per_anchor[f"mix_{name}"] += mix_right.tolist()
         totals["anchors"] += len(at)
         totals["draft_at_anchors"] += float(draft_right.sum())
         totals["con_only"] += float((con_right & ~draft_right).sum())
@@ -137,7 +155,7 @@ def main() -> None:
         draft=args.draft, anchors=k, con_future_token_acc=totals["con_hits"] / max(totals["con_count"], 1),
         draft_acc_at_anchors=totals["draft_at_anchors"] / k, con_only_at_anchors=totals["con_only"] / k,
         union_acc_at_anchors=(totals["draft_at_anchors"] + totals["con_only"]) / k,
-        **{f"mix_acc_at_anchors_w{w}": totals[f"mix_{w}"] / k for w in MIX_WEIGHTS},
+        **{f"mix_acc_at_anchors_{name}": totals[f"mix_{name}"] / k for name in COMBINERS},
         con_router_logit_std=sum(con_spread) / len(con_spread), con_expert_usage=(con_usage / con_usage.sum()).tolist(),
     )
     if entry:
