@@ -31,7 +31,12 @@ def main() -> None:
     model, tokenizer = load_target()
     if (DEFAULT_DRAFT / "config.json").is_file():
         assistant = ConFuAssistant.from_pretrained(DEFAULT_DRAFT, target_model=model)
-        mode = "ConFu, a [con] token per tree node" if assistant.adapter is not None else "EAGLE-3"
+        mode = "EAGLE-3"
+        if assistant.adapter is not None:
+            nodes = assistant.contemplate_nodes
+            mode = f"ConFu, {'a' if nodes is None else nodes} [con] per {'tree node' if nodes is None else 'verify pass'}"
+            if not assistant.draft.config.contemplate_when_greedy:
+                mode += " when sampling; these greedy answers run without it (faster on a CPU)"
         print(f"Draft: {DEFAULT_DRAFT.name} ({mode}; tree depth {assistant.budget.depth}, top-k "
               f"{assistant.budget.top_k}, {assistant.budget.total_tokens} nodes)")
     else:
