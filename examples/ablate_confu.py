@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -142,7 +143,7 @@ def write_table(rows: list[dict], args: argparse.Namespace, train_args: list[str
         f"{args.max_length}, base lr {args.lr}, seed {args.seed} unless stated), draft `{args.draft}` frozen, by the "
         f"auxiliary `[con]` loss; defaults {DEFAULTS}. Scored at the same {len(base['draft'])} anchors ({args.eval_anchor_ratio:.0%} "
         f"of the answer positions, seed 0) of the target's greedy dev answers `{args.answers}`.", "",
-        f"Command: `python examples/ablate_confu.py {' '.join(argv)}`", "",
+        f"Command: `python examples/ablate_confu.py {shlex.join(argv)}`", "",
         "- `[con]` acc: the `[con]`, read through the target's head, names the target's token two ahead of its anchor.",
         "- first-token acc: the draft's first prediction at the anchor with the `[con]` mixed in at w 0.5 "
         "(`log q + 0.5 log p_con`); at T=0 its gain over f off is the first level's gain in acceptance.",
