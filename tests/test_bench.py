@@ -8,7 +8,14 @@ import torch
 from conftest import tiny_target, tiny_tokenizer
 
 from transformers_confu import ConFuAssistant, ConFuDraftConfig
-from transformers_confu.bench import Method, build_methods, main, run_bench, summarize
+from transformers_confu.bench import (
+    Method,
+    _speculative,
+    build_methods,
+    main,
+    run_bench,
+    summarize,
+)
 
 
 def write_questions(path, n=4):
@@ -78,14 +85,27 @@ def test_bench_runs_a_confu_draft_in_each_mode_and_loop_and_assisted_decoding(tm
     ConFuAssistant.from_config(config, target).save_pretrained(tmp_path / "confu")
     summary = main(["--target", str(tmp_path / "target"), "--drafts", str(tmp_path / "confu"), "--questions",
                     str(write_questions(tmp_path / "q.jsonl", n=2)), "--max-new-tokens", "10", "--trees", "3,2,5",
-                    "--prompt-lookup", "0", "--contemplate-nodes", "all,1,0", "--assistant-model",
+                    "--prompt-lookup", "0", "--contemplate-nodes", "saved,all,1,0", "--assistant-model",
                     str(tmp_path / "small"), "--loops", "eager,static", "--out", str(tmp_path / "bench")])
-    names = ["generate", "assisted", "confu:confu:d3k2n5", "confu-c1:confu:d3k2n5", "confu-off:confu:d3k2n5",
-             "confu-static:confu:d3k2n5", "confu-c1-static:confu:d3k2n5", "confu-off-static:confu:d3k2n5"]
+    names = ["generate", "assisted", "confu-saved:confu:d3k2n5", "confu:confu:d3k2n5", "confu-c1:confu:d3k2n5",
+             "confu-off:confu:d3k2n5", "confu-saved-static:confu:d3k2n5", "confu-static:confu:d3k2n5",
+             "confu-c1-static:confu:d3k2n5", "confu-off-static:confu:d3k2n5"]
     assert list(summary["table"]) == names
     assert summary["mismatches"] == {}
     assert all(summary["table"][n]["overall"]["identical"] is True for n in names)
     assert set(summary["warmup_seconds"]) == set(names)
+
+
+def test_saved_contemplate_nodes_keep_the_drafts_own_setting():
+    """'saved' runs a ConFu draft as configured (here: no `[con]` in greedy calls); 'all' overrides that."""
+    target = tiny_target()
+    config = ConFuDraftConfig.for_target(target, draft_vocab_size=64, contemplate=True, contemplate_when_greedy=False)
+    assistant = ConFuAssistant.from_config(config, target)
+    ids = torch.randint(0, 128, (1, 6), generator=torch.Generator().manual_seed(0))
+    _speculative(target, assistant, dict(do_sample=False), "saved")(ids, 12)
+    assert assistant.stats.fresh_futures == 0
+    _speculative(target, assistant, dict(do_sample=False), None)(ids, 12)
+    assert assistant.stats.fresh_futures > 0
 
 
 def test_packaged_spec_bench_questions_load_by_default():

@@ -70,13 +70,14 @@ def auto_tree(model, tokenizer, path: str, questions: list[dict], candidates: li
 
 
 def build_methods(model, drafts: list[str], trees: list[tuple[int, int, int]], sampling: dict,
-                  prompt_lookup: int | None, contemplate_nodes: list[int | None] = (None,),
+                  prompt_lookup: int | None, contemplate_nodes: list[int | str | None] = (None,),
                   assistant_model=None, static_baseline: bool = False, loops: tuple[str, ...] = ("eager",),
                   static: dict | None = None) -> list[Method]:
     """Plain generate (the reference), with `static_baseline` plain generate with a static cache (which transformers
     compiles on CUDA), prompt lookup, transformers' assisted decoding (with `assistant_model`),
-    then every draft x tree budget x loop; a ConFu draft once per `contemplate_nodes` entry (None: a `[con]` on every
-    node, "confu"; m > 0: on the m likeliest path ends, "confu-c{m}"; 0: without its future token, "confu-off").
+    then every draft x tree budget x loop; a ConFu draft once per `contemplate_nodes` entry ("saved": as the draft is
+    configured, "confu-saved"; None: a `[con]` on every node, "confu"; m > 0: on the m likeliest path ends,
+    "confu-c{m}"; 0: without its future token, "confu-off").
     `loops`: "eager" and/or "static" (`cache_implementation="static"`, compiled on CUDA; named `<method>-static`);
     `static`: the `generate` options of the static methods and baseline (default `static_options("auto")`)."""
     static = static or static_options("auto")
@@ -106,7 +107,7 @@ def build_methods(model, drafts: list[str], trees: list[tuple[int, int, int]], s
                     methods.append(Method(f"eagle3{suffix}:{tree}", _speculative(model, assistant, {**sampling, **options})))
                     continue
                 for nodes in contemplate_nodes:
-                    mode = "confu" if nodes is None else "confu-off" if nodes == 0 else f"confu-c{nodes}"
+                    mode = {"saved": "confu-saved", None: "confu", 0: "confu-off"}.get(nodes, f"confu-c{nodes}")
                     methods.append(Method(f"{mode}{suffix}:{tree}",
                                           _speculative(model, assistant, {**sampling, **options}, nodes)))
     return methods
@@ -126,8 +127,9 @@ def static_options(compile: str) -> dict:
     return options
 
 
-def _speculative(model, assistant: ConFuAssistant, sampling: dict, contemplate_nodes: int | None = None):
-    extra = {} if assistant.adapter is None else dict(contemplate_nodes=contemplate_nodes)
+def _speculative(model, assistant: ConFuAssistant, sampling: dict, contemplate_nodes: int | str | None = None):
+    """A method running `assistant`; `contemplate_nodes` "saved" leaves the draft's own setting in place."""
+    extra = {} if assistant.adapter is None or contemplate_nodes == "saved" else dict(contemplate_nodes=contemplate_nodes)
 
     def run(ids, n):
         out = model.generate(ids, max_new_tokens=n, assistant_model=assistant, **sampling, **extra)
@@ -312,9 +314,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="also run each draft with the budget that a calibration on this machine finds fastest")
     p.add_argument("--auto-candidates", default=AUTO_CANDIDATES, help="budgets --auto-tree chooses from")
     p.add_argument("--auto-questions", type=int, default=3, help="calibration questions (the first N)")
-    p.add_argument("--contemplate-nodes", default="all,0",
-                   help="ConFu drafts: runs per draft, comma-separated: 'all' = a [con] on every tree node; m > 0 = on "
-                        "the m likeliest ends of the accepted path (cheaper verify); 0 = without the future token")
+    p.add_argument("--contemplate-nodes", default="saved,0",
+                   help="ConFu drafts: runs per draft, comma-separated: 'saved' = as the draft is configured "
+                        "(`contemplate_nodes`, `contemplate_when_greedy`); 'all' = a [con] on every tree node; m > 0 = "
+                        "on the m likeliest ends of the accepted path (cheaper verify); 0 = without the future token")
     p.add_argument("--assistant-model", default=None,
                    help="a smaller same-tokenizer model (folder or Hub id) for transformers' assisted decoding")
     p.add_argument("--prompt-lookup", type=int, default=10, help="prompt-lookup tokens (0 = leave it out)")
@@ -351,7 +354,8 @@ def _main(args: argparse.Namespace, argv) -> dict:
                                      _budgets(args.auto_candidates), args.max_new_tokens, sampling)
             calibration[Path(path).name] = dict(chosen=best, tokens_per_s=speeds)
             trees = trees + [best] if best not in trees else trees
-    nodes = [None if x.strip() == "all" else int(x) for x in args.contemplate_nodes.split(",")]
+    nodes = [None if x.strip() == "all" else "saved" if x.strip() == "saved" else int(x)
+             for x in args.contemplate_nodes.split(",")]
     assistant_model = None
     if args.assistant_model:
         from transformers import AutoModelForCausalLM

@@ -56,8 +56,8 @@ class ConFuDraftConfig(PretrainedConfig):
         contemplate_when_greedy: ConFu inference: send `[con]` tokens in greedy decoding too. False: greedy calls
             run without them (as `contemplate_nodes=0`; sampling calls keep them) unless the call or the
             assistant sets `contemplate_nodes`. For hardware where the extra verify-pass token costs more than
-            the prior gains at T=0 (on a 2-core CPU the shipped draft measured +1-2% tau there but -2% tokens/s,
-            and +7% tau with +3% tokens/s at T=0.7).
+            the prior gains at T=0 (on a 2-core CPU the shipped drafts measured +1.4-2% tau there at 1-2% fewer
+            tokens/s, and +5-7% tau at 2-3% more tokens/s at T=0.7).
         tree_depth, tree_top_k, tree_total_tokens: default EAGLE-2 dynamic-tree budget.
     """
 
