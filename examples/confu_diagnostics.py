@@ -91,8 +91,7 @@ def main() -> None:
     weights = []
     draft.self_attn.register_forward_hook(lambda module, inputs, out: weights.append(out[1]))
     generator = torch.Generator().manual_seed(args.seed)
-    totals = dict(kl=0.0, acc_with=0.0, acc_without=0.0, attention=0.0, positions=0, con_hits=0.0, con_count=0,
-                  anchors=0, draft_at_anchors=0.0, con_only=0.0, **{f"mix_{name}": 0.0 for name in COMBINERS})
+    totals = dict(kl=0.0, acc_with=0.0, acc_without=0.0, attention=0.0, positions=0, con_hits=0.0, con_count=0)
     con_usage = torch.zeros(adapter.con_moe.router.out_features)
     f_usage = torch.zeros(draft.future_moe.router.out_features) if entry else None
     con_spread, f_spread = [], []
@@ -119,15 +118,10 @@ def main() -> None:
         con_logp = draft_vocab_logits(target, hidden[0, scored], draft.d2t).float().log_softmax(-1)
         draft_logp = draft.logits(without_f[0, at]).float().log_softmax(-1)
         con_right, draft_right = draft.d2t[con_logp.argmax(-1)] == wanted, draft.d2t[draft_logp.argmax(-1)] == wanted
-        per_anchor["draft"] += draft_right.tolist()
-        per_anchor["con"] += con_right.tolist()
+        per_anchor["draft"].append(draft_right)
+        per_anchor["con"].append(con_right)
         for name, combine in COMBINERS.items():
-            mix_right = draft.d2t[combine(draft_logp, con_logp).argmax(-1)] == wanted
-            totals[f"mix_{name}"] += float(mix_right.sum())
-            per_anchor[f"mix_{name}"] += mix_right.tolist()
-        totals["anchors"] += len(at)
-        totals["draft_at_anchors"] += float(draft_right.sum())
-        totals["con_only"] += float((con_right & ~draft_right).sum())
+            per_anchor[f"mix_{name}"].append(draft.d2t[combine(draft_logp, con_logp).argmax(-1)] == wanted)
         states = features.gather(1, (anchors - 1)[..., None].expand(-1, -1, features.shape[-1]))[0]
         con_logits = adapter.con_moe.router(states[:, -adapter.hidden_size:].to(adapter.soft_prompt.dtype))
         con_usage += torch.bincount(con_logits.topk(adapter.con_moe.top_k, -1).indices.flatten(),
@@ -150,12 +144,16 @@ def main() -> None:
         f_logits = draft.future_moe.router(draft.fc(vectors[0].to(draft.fc.weight.dtype)))
         f_usage += torch.bincount(f_logits.topk(draft.future_moe.top_k, -1).indices.flatten(), minlength=len(f_usage))
         f_spread.append(float(f_logits.std(-1).mean()))
-    n, k = totals["positions"], totals["anchors"]
+    n = totals["positions"]
+    right = {key: torch.cat(values) for key, values in per_anchor.items()}
+    draft_right, con_right = right["draft"], right["con"]
     result = dict(
-        draft=args.draft, anchors=k, con_future_token_acc=totals["con_hits"] / max(totals["con_count"], 1),
-        draft_acc_at_anchors=totals["draft_at_anchors"] / k, con_only_at_anchors=totals["con_only"] / k,
-        union_acc_at_anchors=(totals["draft_at_anchors"] + totals["con_only"]) / k,
-        **{f"mix_acc_at_anchors_{name}": totals[f"mix_{name}"] / k for name in COMBINERS},
+        draft=args.draft, anchors=len(draft_right),
+        con_future_token_acc=totals["con_hits"] / max(totals["con_count"], 1),
+        draft_acc_at_anchors=draft_right.double().mean().item(),
+        con_only_at_anchors=(con_right & ~draft_right).double().mean().item(),
+        union_acc_at_anchors=(con_right | draft_right).double().mean().item(),
+        **{f"mix_acc_at_anchors_{name}": right[f"mix_{name}"].double().mean().item() for name in COMBINERS},
         con_router_logit_std=sum(con_spread) / len(con_spread), con_expert_usage=(con_usage / con_usage.sum()).tolist(),
     )
     if entry:
@@ -169,8 +167,7 @@ def main() -> None:
         for k, v in vars(args).items() if v not in (None, False))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     if args.per_anchor:
-        result["per_anchor"] = {key: "".join("1" if right else "0" for right in values)
-                                for key, values in per_anchor.items()}
+        result["per_anchor"] = {key: "".join(map(str, bits.int().tolist())) for key, bits in right.items()}
     Path(args.out).with_suffix(".json").write_text(json.dumps(result, indent=2))
     md = [f"# Does the ConFu draft use f?\n\n`{result['command']}`\n", "| measurement | value |", "|---|---|"]
     md += [f"| {k} | {', '.join(f'{x:.3f}' for x in v) if isinstance(v, list) else (f'{v:.4f}' if isinstance(v, float) else v)} |"

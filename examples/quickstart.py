@@ -12,6 +12,7 @@ import torch
 from transformers import TextStreamer
 
 from transformers_confu import ConFuAssistant, ConFuDraftConfig, load_target
+from transformers_confu.hub import describe_con_tokens
 from transformers_confu.questions import chat_input_ids
 from transformers_confu.target import DEFAULT_DRAFT
 
@@ -31,12 +32,8 @@ def main() -> None:
     model, tokenizer = load_target()
     if (DEFAULT_DRAFT / "config.json").is_file():
         assistant = ConFuAssistant.from_pretrained(DEFAULT_DRAFT, target_model=model)
-        mode = "EAGLE-3"
-        if assistant.adapter is not None:
-            nodes = assistant.contemplate_nodes
-            mode = f"ConFu, {'a' if nodes is None else nodes} [con] per {'tree node' if nodes is None else 'verify pass'}"
-            if not assistant.draft.config.contemplate_when_greedy:
-                mode += " when sampling; these greedy answers run without it (faster on a CPU)"
+        mode = "EAGLE-3" if assistant.adapter is None else "ConFu, [con] tokens per verify pass: " + describe_con_tokens(
+            assistant.contemplate_nodes, assistant.draft.config.contemplate_when_greedy)
         print(f"Draft: {DEFAULT_DRAFT.name} ({mode}; tree depth {assistant.budget.depth}, top-k "
               f"{assistant.budget.top_k}, {assistant.budget.total_tokens} nodes)")
     else:

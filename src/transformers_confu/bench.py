@@ -354,8 +354,8 @@ def _main(args: argparse.Namespace, argv) -> dict:
                                      _budgets(args.auto_candidates), args.max_new_tokens, sampling)
             calibration[Path(path).name] = dict(chosen=best, tokens_per_s=speeds)
             trees = trees + [best] if best not in trees else trees
-    nodes = [None if x.strip() == "all" else "saved" if x.strip() == "saved" else int(x)
-             for x in args.contemplate_nodes.split(",")]
+    named = {"all": None, "saved": "saved"}
+    nodes = [named[x] if x in named else int(x) for x in map(str.strip, args.contemplate_nodes.split(","))]
     assistant_model = None
     if args.assistant_model:
         from transformers import AutoModelForCausalLM

@@ -15,10 +15,16 @@ _DATASETS = {
 }
 
 
-def _con_tokens(nodes: int | None) -> str:
+def describe_con_tokens(nodes: int | None, when_greedy: bool = True) -> str:
+    """The `[con]` tokens a verify pass carries (`contemplate_nodes`, `contemplate_when_greedy`), in words."""
     if nodes is None:
-        return "one per tree node"
-    return "none (the draft runs without its future token)" if nodes == 0 else f"{nodes} (the likeliest path ends)"
+        text = "one per tree node"
+    else:
+        text = "none (the draft runs without its future token)" if nodes == 0 else f"{nodes} (the likeliest path ends)"
+    if not when_greedy:
+        text += (" when sampling; none in greedy decoding (`contemplate_when_greedy=False`; pass `contemplate_nodes=` "
+                 "to `generate` to use them there too)")
+    return text
 
 
 def model_card(draft_dir: str | Path, base_model: str, bench: dict | None = None, hardware: str = "",
@@ -65,10 +71,8 @@ def model_card(draft_dir: str | Path, base_model: str, bench: dict | None = None
             f"- target-side adapter (`contemplate_adapter/`, the target itself is unchanged): "
             f"{adapter['num_soft_tokens']} soft-prompt tokens seen only by `[con]` tokens, `[con]` MoE embedding "
             f"of {adapter['num_experts']} experts, top-{adapter['top_k']}",
-            f"- `[con]` tokens per verify pass: {_con_tokens(config.get('contemplate_nodes'))}"
-            + ("" if config.get("contemplate_when_greedy", True) else
-               " when sampling; none in greedy decoding (`contemplate_when_greedy=False`; pass `contemplate_nodes=` "
-               "to `generate` to use them there too)"),
+            "- `[con]` tokens per verify pass: " + describe_con_tokens(config.get("contemplate_nodes"),
+                                                                       config.get("contemplate_when_greedy", True)),
             f"- the `[con]`'s own prediction mixed into the first drafted level with weight "
             f"{config.get('future_logit_weight', 0.0)} (0: off)",
         ]
