@@ -48,9 +48,9 @@ bench)
   drafts=src/transformers_confu/checkpoints/smollm2-135m-instruct
   if [ -n "${SMOKE:-}" ]; then size=(--limit 2 --max-new-tokens 16 --trees "3,1,4" --device cpu)
   else size=(--per-category 1 --max-new-tokens 128 --trees "6,4,24" --device cuda); fi
-  timeout 420 python3 -m transformers_confu.bench --turns 1 --static-baseline --loops eager,static --prompt-lookup 0 \
+  timeout 420 python3 -m transformers_confu.benchmark.bench --turns 1 --static-baseline --loops eager,static --prompt-lookup 0 \
     --drafts $drafts-eagle3 $drafts-confu --contemplate-nodes all "${size[@]}" --out /tmp/gpu_bench/gpu_static 2>&1 | tail -40
-  [ -n "${SMOKE:-}" ] || timeout 120 python3 examples/profile_rounds.py --out /tmp/gpu_bench/profile_rounds | tail -12
+  [ -n "${SMOKE:-}" ] || timeout 120 python3 examples/experiments/profile_rounds.py --out /tmp/gpu_bench/profile_rounds | tail -12
   cp /tmp/gpu_bench/gpu_static.* /tmp/gpu_bench/profile_rounds.json "$OUT"/ 2>/dev/null || true ;;  # not the answer files (8 at most come back)
 train)
   prepare_device
@@ -58,7 +58,7 @@ train)
   if [ -n "${SMOKE:-}" ]; then size=(--max-samples 16 --regenerate-batch-size 8 --regenerate-max-new-tokens 16
     --regenerate-minutes 0.5 --batch-size 4 --epochs 1 --max-minutes 1 --device cpu)
   else size=(--bf16 --regenerate-batch-size 256 --regenerate-minutes 4 --batch-size 32 --epochs 2 --max-minutes 3); fi
-  python3 -m transformers_confu.train --data-dir .dev/s3/train --output-dir /tmp/gpu-draft --regenerate \
+  python3 -m transformers_confu.training.train --data-dir .dev/s3/train --output-dir /tmp/gpu-draft --regenerate \
     --keep-reference --feature-cache /tmp/gpu-draft/features --draft-vocab-size 16384 "${size[@]}" 2>&1 | tail -30
   tar -C /tmp/gpu-draft -cf /tmp/gpu-draft.tar final regenerated/stats.json
   split -b 15000000 /tmp/gpu-draft.tar "$OUT/gpu-draft.tar.part-" ;;

@@ -18,7 +18,7 @@ import json
 import random
 from pathlib import Path
 
-from transformers_confu.data_sources import find_sources, load_conversations
+from transformers_confu.training.data_sources import find_sources, load_conversations
 
 
 def main() -> None:

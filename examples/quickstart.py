@@ -12,9 +12,9 @@ import torch
 from transformers import TextStreamer
 
 from transformers_confu import ConFuAssistant, ConFuDraftConfig, load_target
-from transformers_confu.hub import describe_con_tokens
-from transformers_confu.questions import chat_input_ids
-from transformers_confu.target import DEFAULT_DRAFT
+from transformers_confu.benchmark.questions import chat_input_ids
+from transformers_confu.models.hub import describe_con_tokens
+from transformers_confu.models.target import DEFAULT_DRAFT
 
 PROMPTS = [
     "Explain in three sentences why the sky is blue.",

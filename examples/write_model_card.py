@@ -9,7 +9,7 @@ import argparse
 import json
 from pathlib import Path
 
-from transformers_confu.hub import model_card
+from transformers_confu.models.hub import model_card
 
 
 def main() -> None:

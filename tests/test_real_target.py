@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from transformers_confu import ConFuAssistant, ConFuDraftConfig, load_target
-from transformers_confu.questions import chat_input_ids
-from transformers_confu.target import CHECKPOINTS
+from transformers_confu.benchmark.questions import chat_input_ids
+from transformers_confu.models.target import CHECKPOINTS
 
 pytestmark = pytest.mark.slow
 SHIPPED = sorted(f.name for f in CHECKPOINTS.iterdir() if (f / "config.json").is_file())

@@ -1,0 +1,115 @@
+"""Teacher-forced accuracy of drafts on the target's own greedy answers to the dev questions.
+
+A cheap stand-in for acceptance: for each draft, the TTT accuracy at depth 0, 1, 2, ... against the target's
+greedy token over its full vocabulary, on conversations [dev question, the target's greedy answer] (the
+answers a `confu-bench` run wrote for plain `generate`). At T=0 the first drafted token is accepted exactly
+when the depth-0 prediction is right, so this predicts tau without decoding, in seconds per draft; it also
+separates a weak draft (low accuracy here) from an inference bug (high accuracy here, low tau in the bench).
+`--by-confidence` also splits the depth-0 accuracy by the target's own top-1 probability at the predicted
+token: how much of the gap is positions where the target itself hesitates.
+
+    python examples/experiments/dev_accuracy.py --answers results/eagle3_v2_dev_t0_answers/generate.jsonl \
+        --drafts src/transformers_confu/checkpoints/smollm2-135m-instruct-eagle3 runs/my-draft/final
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import datasets
+import torch
+
+from transformers_confu import ConFuDraftModel, load_target
+from transformers_confu.benchmark.questions import load_questions
+from transformers_confu.training.data import DataCollatorForDraft, tokenize_conversations
+from transformers_confu.training.ttt import (
+    evaluate_ttt,
+    target_hidden,
+    ttt_hidden_states,
+    ttt_valid_positions,
+)
+
+BINS = (0.0, 0.3, 0.5, 0.7, 0.9, 1.0001)
+
+
+def dev_rows(answers: str, tokenizer) -> list[dict]:
+    """Tokenized conversations [dev question, answer, ...] from a confu-bench answer file."""
+    questions = {q["question_id"]: q for q in load_questions()}
+    conversations = []
+    for line in Path(answers).read_text().splitlines():
+        row = json.loads(line)
+        turns, replies = questions[row["question_id"]]["turns"], row["choices"][0]["turns"]
+        messages = []
+        for question, reply in zip(turns, replies):
+            messages += [{"role": "user", "content": question}, {"role": "assistant", "content": reply}]
+        conversations.append({"messages": messages})
+    tokenized = tokenize_conversations(datasets.Dataset.from_list(conversations), tokenizer)
+    return [tokenized[i] for i in range(len(tokenized))]
+
+
+@torch.no_grad()
+def target_passes(target, rows: list[dict], feature_layers: list[int], batch_size: int = 8) -> list[dict]:
+    """The target's pass over `rows` in batches, once for all drafts: the batch, its fused features, the scored
+    depth-0 positions and the target's top-1 probability and token at the token they predict."""
+    collate, passes = DataCollatorForDraft(pad_token_id=0), []
+    for start in range(0, len(rows), batch_size):
+        batch = collate(rows[start : start + batch_size])
+        features, last = target_hidden(target, batch["input_ids"], batch["attention_mask"], feature_layers)
+        where = ttt_valid_positions(batch["attention_mask"], batch["loss_mask"], 0).nonzero(as_tuple=True)
+        top_p, top_id = target.lm_head(last[where[0], where[1] + 1]).float().softmax(dim=-1).max(dim=-1)
+        passes.append(dict(batch=batch, features=features, where=where, top_p=top_p, top_id=top_id))
+    return passes
+
+
+@torch.no_grad()
+def accuracy_by_confidence(draft, passes: list[dict]) -> list[dict]:
+    """Depth-0 full-vocabulary accuracy of `draft` per bin of the target's top-1 probability (`BINS`)."""
+    correct = []
+    for p in passes:
+        hidden = ttt_hidden_states(draft, p["features"], p["batch"]["input_ids"], p["batch"]["attention_mask"], 1)[0]
+        correct.append(draft.d2t[draft.logits(hidden[p["where"]]).argmax(dim=-1)] == p["top_id"])
+    confidence, correct = torch.cat([p["top_p"] for p in passes]), torch.cat(correct).float()
+    table = []
+    for low, high in zip(BINS[:-1], BINS[1:]):
+        inside = (confidence >= low) & (confidence < high)
+        n = int(inside.sum())
+        table.append({"target_top1": f"{low:.1f}-{min(high, 1.0):.1f}", "share": n / len(confidence),
+                      "draft_acc": float(correct[inside].mean()) if n else float("nan"), "positions": n})
+    return table
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--answers", required=True, help="a confu-bench answer file of plain generate (generate.jsonl)")
+    p.add_argument("--drafts", nargs="+", required=True)
+    p.add_argument("--steps", type=int, default=3, help="TTT depths scored")
+    p.add_argument("--by-confidence", action="store_true",
+                   help="also split depth-0 accuracy by the target's top-1 probability")
+    p.add_argument("--out", default=None, help="also write OUT.json")
+    args = p.parse_args()
+    target, tokenizer = load_target()
+    rows = dev_rows(args.answers, tokenizer)
+    results, passes = {}, {}  # passes: the target's, per feature-layer set
+    for path in args.drafts:
+        draft = ConFuDraftModel.from_pretrained(path, dtype=torch.float32)
+        draft.attach_target(target)
+        results[path] = {k: v for k, v in evaluate_ttt(draft, target, rows, args.steps).items() if "full_acc" in k}
+        print(path, {k: round(v, 3) for k, v in results[path].items()}, flush=True)
+        if args.by_confidence:
+            layers = tuple(draft.config.feature_layers)
+            passes[layers] = passes.get(layers) or target_passes(target, rows, list(layers))
+            results[path]["by_confidence"] = accuracy_by_confidence(draft, passes[layers])
+            for row in results[path]["by_confidence"]:
+                print(f"  target top-1 {row['target_top1']}: {100 * row['share']:.1f}% of positions, "
+                      f"draft accuracy {row['draft_acc']:.3f}", flush=True)
+    if args.out:
+        options = [f"--{k.replace('_', '-')}" + ("" if v is True else f" {' '.join(v) if isinstance(v, list) else v}")
+                   for k, v in vars(args).items() if v not in (None, False)]
+        command = "python examples/experiments/dev_accuracy.py " + " ".join(options)
+        Path(args.out).with_suffix(".json").write_text(json.dumps({"command": command, "results": results}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""The Spec-Bench style benchmark: speed, quality, questions."""

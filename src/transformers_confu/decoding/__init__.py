@@ -1,0 +1,1 @@
+"""Speculative decoding: the assistant, the loop, the draft tree, acceptance, the oracle."""

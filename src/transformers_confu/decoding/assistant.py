@@ -1,0 +1,391 @@
+"""`ConFuAssistant`: the object passed as `generate(assistant_model=...)`.
+
+Why the target's `generate` is wrapped: transformers' `generate(assistant_model=...)` verifies only
+chains, picks its candidate generator in a private if/elif with no registry, and the `custom_generate`
+callable form drops `assistant_model` and `streamer`. So attaching an assistant wraps `generate` on
+that target INSTANCE (transformers' own `custom_generate` loading does the same): calls with a
+`ConFuAssistant` run our tree loop, every other call goes to the original `generate` unchanged.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from huggingface_hub.utils import HFValidationError, validate_repo_id
+from safetensors import SafetensorError
+from transformers import CompileConfig, GenerationConfig, PreTrainedModel
+
+from ..models.checkpoints import draft_problem
+from ..models.configuration_confu import ConFuDraftConfig
+from ..models.contemplate import ADAPTER_FOLDER, ContemplateAdapter
+from ..models.eagle3_format import is_eagle3_config, load_eagle3, read_config, save_eagle3
+from ..models.modeling_confu import ConFuDraftModel
+from ..utils.cache import keep_path, static_cache, truncate_cache
+from ..utils.packed_linear import pack_linear_weights
+from .generation import SpeculativeStats, StaticTarget, TreeBudget, speculative_generate
+from .tree import TreeDrafter, catch_up_step, draft_tree
+
+# generate() options that change the output in ways this loop does not reproduce, with neutral values.
+_UNSUPPORTED = {
+    "num_beams": (None, 1),
+    "num_return_sequences": (None, 1),
+    "repetition_penalty": (None, 1.0),
+    "no_repeat_ngram_size": (None, 0),
+    "bad_words_ids": (None,),
+    "sequence_bias": (None,),
+    "min_new_tokens": (None, 0),
+    "min_length": (None, 0),
+    "typical_p": (None, 1.0),
+    "epsilon_cutoff": (None, 0.0),
+    "eta_cutoff": (None, 0.0),
+    "top_h": (None,),
+    "suppress_tokens": (None,),
+    "begin_suppress_tokens": (None,),
+    "forced_bos_token_id": (None,),
+    "forced_eos_token_id": (None,),
+    "exponential_decay_length_penalty": (None,),
+    "guidance_scale": (None, 1.0),
+    "watermarking_config": (None,),
+    "return_dict_in_generate": (None, False),
+    "output_scores": (None, False),
+    "output_logits": (None, False),
+    "output_attentions": (None, False),
+    "output_hidden_states": (None, False),
+}
+STATIC_BUCKET = 256  # static-mode cache capacities are multiples of this
+
+
+class ConFuAssistant:
+    """A draft head bound to a target model, usable as `target.generate(..., assistant_model=self)`.
+
+    Attributes:
+        draft: the `ConFuDraftModel`.
+        target: the target model it drafts for.
+        budget: the default tree budget (`depth`, `top_k`, `total_tokens`); a call can override it with
+            `tree_depth=`, `tree_top_k=`, `tree_total_tokens=`.
+        stats: `SpeculativeStats` of the last `generate` call.
+        adapter: ConFu's `ContemplateAdapter` for the target (drafts with `contemplate=True`), else None.
+        contemplate_nodes: ConFu: how many tree nodes get a `[con]` (None: all, 0: none, i.e. the draft without
+            its future token); a call can override it with `contemplate_nodes=`. Unless it is set here or in the
+            call, greedy calls of a draft with `contemplate_when_greedy=False` run with 0.
+
+    A call can also override the draft config's `future_logit_weight` (ConFu: how much the `[con]`'s own
+    prediction is mixed into the first drafted level) with `future_logit_weight=`.
+    """
+
+    def __init__(self, draft: ConFuDraftModel, target_model: PreTrainedModel,
+                 adapter: ContemplateAdapter | None = None, contemplate_nodes: int | None = None, **tree: int) -> None:
+        if draft.config.contemplate and adapter is None:
+            raise ValueError("This is a ConFu draft (contemplate=True): it needs its ContemplateAdapter "
+                             f"(saved in {ADAPTER_FOLDER}/ beside the draft).")
+        if adapter is not None and not draft.config.contemplate:
+            raise ValueError("A ContemplateAdapter was given for an EAGLE-3 draft (contemplate=False).")
+        draft.attach_target(target_model)
+        weight = target_model.get_input_embeddings().weight
+        self.draft = draft.to(device=weight.device, dtype=weight.dtype).eval().requires_grad_(False)
+        if adapter is not None:
+            adapter.check_target(target_model)
+            adapter = adapter.to(device=weight.device, dtype=weight.dtype).eval().requires_grad_(False)
+        if weight.device.type == "cpu":
+            pack_linear_weights(self.draft)
+            if adapter is not None:
+                pack_linear_weights(adapter)
+        self.adapter = adapter
+        self._nodes_set = contemplate_nodes is not None
+        self.contemplate_nodes = contemplate_nodes if contemplate_nodes is not None else draft.config.contemplate_nodes
+        self.target = target_model
+        cfg = draft.config
+        self.budget = TreeBudget(
+            depth=tree.get("depth", cfg.tree_depth),
+            top_k=tree.get("top_k", cfg.tree_top_k),
+            total_tokens=tree.get("total_tokens", cfg.tree_total_tokens),
+        )
+        self.stats = SpeculativeStats()
+        _wrap_generate(target_model)
+
+    def __getattr__(self, name: str) -> Any:
+        # Only reached when transformers' own generate() inspects us: the model was not prepared.
+        target = self.__dict__.get("target")
+        raise AttributeError(
+            f"'ConFuAssistant' has no attribute {name!r}. If this came from `model.generate(..., assistant_model=)`: "
+            f"this assistant drafts for {_describe(target)}, and the model you called is not prepared for it. "
+            "Build one for the model you call, `ConFuAssistant.from_pretrained(draft, target_model=model)`, "
+            "and create it BEFORE evaluating `model.generate` (creating it prepares the model's generate())."
+        )
+
+    @classmethod
+    def from_pretrained(
+        cls, path_or_id: str | os.PathLike, target_model: PreTrainedModel, **kwargs: Any
+    ) -> "ConFuAssistant":
+        """Load a draft (local folder or Hub id) for `target_model`, with its contemplate adapter if it is a
+        ConFu draft; `depth`/`top_k`/`total_tokens` go to the budget, `contemplate_nodes` as in the class.
+
+        Reference-format EAGLE-3 drafts (SafeAILab/EAGLE, SpecForge: a Llama config with `draft_vocab_size`,
+        weights `midlayer.*`, `fc`, `norm`, `lm_head`, `d2t`, `t2d`) load too (see `eagle3_format`)."""
+        options = {k: kwargs.pop(k) for k in ("depth", "top_k", "total_tokens", "contemplate_nodes") if k in kwargs}
+        hub = {k: kwargs[k] for k in ("revision", "cache_dir", "token") if k in kwargs}
+        if is_eagle3_config(read_config(path_or_id, **hub) or {}):
+            return cls(load_eagle3(path_or_id, target_model, **hub), target_model, **options)
+        draft = load_draft(path_or_id, **kwargs)
+        adapter = load_adapter(path_or_id, **kwargs) if draft.config.contemplate else None
+        return cls(draft, target_model, adapter, **options)
+
+    @classmethod
+    def from_config(cls, config: ConFuDraftConfig, target_model: PreTrainedModel, **options: Any) -> "ConFuAssistant":
+        """A randomly initialised (untrained) draft for `target_model` (and adapter, for a ConFu config)."""
+        adapter = ContemplateAdapter.for_target(target_model) if config.contemplate else None
+        return cls(ConFuDraftModel(config), target_model, adapter, **options)
+
+    def save_pretrained(self, path: str | os.PathLike, format: str = "confu", **kwargs: Any) -> None:
+        """Save the draft (config + safetensors) and a ConFu draft's adapter, loadable with `from_pretrained`.
+
+        `format="eagle3"` writes an EAGLE-3 draft in the reference format instead (for SGLang, vLLM, SpecForge)."""
+        if format == "eagle3":
+            if kwargs:
+                raise TypeError(f"format='eagle3' takes no other options, got {sorted(kwargs)}.")
+            save_eagle3(self.draft, path)
+            return
+        if format != "confu":
+            raise ValueError(f"format={format!r}: use 'confu' (this package's format) or 'eagle3' (the reference one).")
+        self.draft.save_pretrained(path, **kwargs)
+        if self.adapter is not None:
+            self.adapter.save_to(path)
+
+    def push_to_hub(self, repo_id: str, model_card: str | None = None, **kwargs: Any) -> Any:
+        """Upload the draft (config, safetensors, remote code, adapter) to the Hub, with `model_card` as README.md."""
+        result = self.draft.push_to_hub(repo_id, **kwargs)
+        if self.adapter is not None:
+            from huggingface_hub import HfApi
+
+            with tempfile.TemporaryDirectory() as folder:
+                self.adapter.save_to(folder)
+                HfApi(token=kwargs.get("token")).upload_folder(folder_path=folder, repo_id=repo_id, repo_type="model")
+        if model_card is not None:
+            from huggingface_hub import HfApi
+
+            HfApi(token=kwargs.get("token")).upload_file(path_or_fileobj=model_card.encode(), path_in_repo="README.md",
+                                                         repo_id=repo_id, repo_type="model")
+        return result
+
+    def generate(self, target: PreTrainedModel, input_ids: torch.LongTensor | None = None, **kwargs: Any):
+        """Run tree speculative decoding; called through `target.generate(assistant_model=self)`."""
+        if target is not self.target:
+            raise ValueError(
+                f"This assistant drafts for {_describe(self.target)}, not for the model whose generate() was "
+                f"called ({_describe(target)}): build one for that model with "
+                "`ConFuAssistant.from_pretrained(draft, target_model=model)`."
+            )
+        input_ids = kwargs.pop("inputs", input_ids)
+        if input_ids is None or input_ids.ndim != 2:
+            raise ValueError("Pass `input_ids` of shape (1, prompt_length).")
+        if input_ids.shape[0] != 1:
+            raise ValueError(f"ConFu speculative decoding supports batch size 1 only, got {input_ids.shape[0]}.")
+        if input_ids.shape[1] == 0:
+            raise ValueError("The prompt is empty: speculative decoding needs at least one prompt token.")
+        budget = TreeBudget(
+            depth=kwargs.pop("tree_depth", self.budget.depth),
+            top_k=kwargs.pop("tree_top_k", self.budget.top_k),
+            total_tokens=kwargs.pop("tree_total_tokens", self.budget.total_tokens),
+        )
+        if min(budget.depth, budget.top_k, budget.total_tokens) < 1:
+            raise ValueError(f"Tree budget values must be >= 1, got {budget}.")
+        if budget.top_k > self.draft.config.draft_vocab_size:
+            raise ValueError(f"Tree budget top_k={budget.top_k} exceeds the draft vocabulary "
+                             f"({self.draft.config.draft_vocab_size}).")
+        _check_attention_mask(kwargs.pop("attention_mask", None))
+        tokenizer, streamer = kwargs.pop("tokenizer", None), kwargs.pop("streamer", None)
+        nodes_set = self._nodes_set or "contemplate_nodes" in kwargs
+        contemplate_nodes = kwargs.pop("contemplate_nodes", self.contemplate_nodes)
+        if contemplate_nodes is not None and contemplate_nodes < 0:
+            raise ValueError(f"contemplate_nodes={contemplate_nodes} must be >= 0 (or None for every node).")
+        future_logit_weight = kwargs.pop("future_logit_weight", self.draft.config.future_logit_weight)
+        if future_logit_weight < 0:
+            raise ValueError(f"future_logit_weight={future_logit_weight} must be >= 0 (0: off).")
+        config = _generation_config(target, kwargs)
+        if not (nodes_set or config.do_sample or self.draft.config.contemplate_when_greedy):
+            contemplate_nodes = 0
+        max_new = _max_new_tokens(config, input_ids.shape[1], budget, target)
+        self.stats = SpeculativeStats()
+        temperature = (config.temperature or 1.0) if config.do_sample else None
+        parts = {}
+        if config.cache_implementation == "static":
+            parts, self.stats.mode = self._static_parts(config, input_ids.shape[1] + max_new, budget), "static"
+        elif config.cache_implementation not in (None, "dynamic"):
+            raise ValueError(f"cache_implementation={config.cache_implementation!r} is not supported with a ConFu "
+                             "assistant: use 'static' (preallocated caches, compiled on CUDA) or leave it unset.")
+        drafter = TreeDrafter(self.draft, budget.depth, budget.top_k, budget.total_tokens, temperature,
+                              parts.get("draft_cache"), parts.get("draft_calls"))
+        return speculative_generate(
+            target, drafter, self.draft.config.feature_layers, input_ids, config, max_new, self.stats,
+            tokenizer, streamer, self.adapter, contemplate_nodes, parts.get("target"), future_logit_weight,
+        )
+
+    def _static_parts(self, config: GenerationConfig, length: int, budget: TreeBudget) -> dict[str, Any]:
+        """Static mode: preallocated caches for target and draft, sized to `length` tokens plus the tree and
+        rounded up to a multiple of `STATIC_BUCKET` (so prompts of similar length share one compiled shape),
+        and the calls that run them (the target's tree pass, the path compaction, the draft's catch-up and whole
+        tree drafting, each one graph): compiled where transformers' `generate` compiles a static cache (CUDA/XPU,
+        or `compile_config._compile_all_devices`; never with `disable_compile`), with its `compile_config`.
+        Kept on the assistant and reused by later calls of the same capacity and compile settings."""
+        layer_types = getattr(self.target.config, "layer_types", None) or []
+        if any(kind != "full_attention" for kind in layer_types):
+            raise ValueError("cache_implementation='static' with a ConFu assistant supports full-attention targets "
+                             f"only; this one has layer types {sorted(set(layer_types))}: leave cache_implementation unset.")
+        offset = 0 if self.adapter is None else self.adapter.num_soft_tokens
+        needed = offset + length + 2 * budget.total_tokens + budget.depth * (budget.top_k + 1) + 2
+        capacity = -(-needed // STATIC_BUCKET) * STATIC_BUCKET
+        compile_config = config.compile_config
+        compile = not config.disable_compile and (
+            self.target.device.type in ("cuda", "xpu") or bool(compile_config and compile_config._compile_all_devices))
+        options = (compile_config or CompileConfig()).to_dict() if compile else None
+        key = (capacity, repr(options))
+        parts = self.__dict__.get("_static")
+        if parts is not None and parts["key"] == key:
+            truncate_cache(parts["target"].cache, 0)
+            truncate_cache(parts["draft_cache"], 0)
+            return parts
+        cache = static_cache(self.target.config.num_hidden_layers, capacity)
+        parts = {
+            "key": key,
+            "target": StaticTarget(cache, torch.compile(self.target, **options), torch.compile(keep_path, **options))
+            if compile else StaticTarget(cache, self.target),
+            "draft_cache": static_cache(1, capacity),
+            "draft_calls": {"catch_up": torch.compile(catch_up_step, **options),
+                            "propose": torch.compile(draft_tree, **options)} if compile else None,
+        }
+        self._static = parts
+        return parts
+
+
+def load_draft(path_or_id: str | os.PathLike, **kwargs: Any) -> ConFuDraftModel:
+    """`ConFuDraftModel.from_pretrained` (folder or Hub id; `revision`, `cache_dir`, `token`, ...) that
+    refuses corrupt, truncated or incomplete checkpoints instead of filling missing weights at random, and
+    says so when `path_or_id` is neither a folder nor a Hub id."""
+    _check_draft_source(path_or_id)
+    try:
+        draft, info = ConFuDraftModel.from_pretrained(path_or_id, output_loading_info=True, **kwargs)
+    except (OSError, ValueError, RuntimeError, SafetensorError) as err:
+        if not Path(path_or_id).is_dir():
+            raise OSError(
+                f"Could not load a ConFu draft from {str(path_or_id)!r}: it is not a local folder (no "
+                f"{Path(path_or_id).resolve()}), and as a Hub id: {err} Check the path, or the Hub id and your "
+                "connection."
+            ) from err
+        raise OSError(
+            f"Could not load a ConFu draft from {str(path_or_id)!r}: {err}. The checkpoint may be corrupt or "
+            "incomplete: download or save it again (it needs config.json and model.safetensors)."
+        ) from err
+    missing = info.get("missing_keys") or []
+    if missing:
+        raise OSError(
+            f"The draft checkpoint {str(path_or_id)!r} lacks weights {sorted(missing)[:5]}"
+            f"{' ...' if len(missing) > 5 else ''}: it is incomplete or was saved by another model."
+        )
+    return draft
+
+
+def _check_draft_source(path_or_id: str | os.PathLike) -> None:
+    """Raise a clear error for a file, an incomplete draft folder, or a name that is neither a folder nor a
+    Hub id (a typo'd path)."""
+    folder = Path(path_or_id)
+    if folder.is_file():
+        raise OSError(f"{str(path_or_id)!r} is a file: pass the draft's folder (the one holding config.json "
+                      "and model.safetensors), or a Hub id.")
+    if folder.is_dir():
+        problem = draft_problem(folder)
+        if problem is not None:
+            raise OSError(f"The draft checkpoint {str(path_or_id)!r} is corrupt or incomplete: {problem}. Save "
+                          "or download it again (for confu-train's final/, rerun the training command).")
+        return
+    try:
+        validate_repo_id(str(path_or_id))
+    except HFValidationError:
+        raise FileNotFoundError(
+            f"There is no draft folder {str(path_or_id)!r} (looked in {folder.resolve()}), and it is not a Hub id "
+            "('name' or 'namespace/name') either: check the path."
+        ) from None
+
+
+def load_adapter(path_or_id: str | os.PathLike, revision: str | None = None, cache_dir: str | None = None,
+                 token: str | bool | None = None, **_: Any) -> ContemplateAdapter:
+    """The `contemplate_adapter/` of a ConFu draft (folder or Hub id), with a clear error if it is missing."""
+    folder = Path(path_or_id)
+    try:
+        if not folder.is_dir():
+            from huggingface_hub import snapshot_download
+
+            folder = Path(snapshot_download(str(path_or_id), revision=revision, cache_dir=cache_dir, token=token,
+                                            allow_patterns=[f"{ADAPTER_FOLDER}/*"]))
+        return ContemplateAdapter.from_pretrained(folder / ADAPTER_FOLDER)
+    except (OSError, ValueError, RuntimeError, SafetensorError) as err:
+        raise OSError(
+            f"Could not load the contemplate adapter of the ConFu draft {str(path_or_id)!r} from "
+            f"{ADAPTER_FOLDER}/ ({err}): the checkpoint is incomplete or corrupt; save or download it again."
+        ) from err
+
+
+def _describe(model: PreTrainedModel | None) -> str:
+    """`the LlamaForCausalLM loaded from 'path'` (or `at 0x...`), to name a model in error messages."""
+    name = getattr(getattr(model, "config", None), "name_or_path", "")
+    return f"the {type(model).__name__}" + (f" loaded from {name!r}" if name else f" at {id(model):#x}")
+
+
+def _wrap_generate(model: PreTrainedModel) -> None:
+    """Route `model.generate(assistant_model=<ConFuAssistant>)` to the assistant (once per instance)."""
+    if getattr(model.generate, "_confu_wrapped", False):
+        return
+    original = model.generate
+
+    @functools.wraps(original)
+    def generate(*args: Any, assistant_model: Any = None, **kwargs: Any):
+        if isinstance(assistant_model, ConFuAssistant):
+            return assistant_model.generate(model, *args, **kwargs)
+        return original(*args, assistant_model=assistant_model, **kwargs)
+
+    generate._confu_wrapped = True
+    model.generate = generate
+
+
+def _check_attention_mask(mask: torch.Tensor | None) -> None:
+    if mask is not None and not bool(mask.all()):
+        raise ValueError("Padded prompts are not supported (batch size 1): pass the prompt without padding.")
+
+
+def _generation_config(target: PreTrainedModel, kwargs: dict[str, Any]) -> GenerationConfig:
+    """Merge `generation_config=`, the target's generation config, transformers' global defaults (e.g.
+    `top_k=50` when sampling) and keyword overrides, in the order `generate` does."""
+    config = copy.deepcopy(kwargs.pop("generation_config", None) or GenerationConfig())
+    config.update(**target.generation_config.to_dict(), defaults_only=True, allow_custom_entries=True)
+    config.update(**target.generation_config._get_default_generation_params(), defaults_only=True)
+    unused = config.update(**kwargs)
+    unused.pop("use_cache", None)
+    if unused:
+        raise TypeError(f"Unsupported generate() arguments with a ConFu assistant: {sorted(unused)}.")
+    for name, neutral in _UNSUPPORTED.items():
+        if getattr(config, name, None) not in neutral:
+            raise ValueError(
+                f"`{name}={getattr(config, name)}` is not supported with a ConFu assistant "
+                "(supported: greedy or sampling with temperature/top_k/top_p/min_p, eos, stop strings)."
+            )
+    return config
+
+
+def _max_new_tokens(config: GenerationConfig, prompt_len: int, budget: TreeBudget, target) -> int:
+    max_new = config.max_new_tokens
+    if max_new is None:
+        max_new = (config.max_length or 20) - prompt_len
+    limit = getattr(target.config, "max_position_embeddings", None)
+    if limit is not None and prompt_len + max_new + budget.total_tokens > limit:
+        raise ValueError(
+            f"prompt ({prompt_len}) + max_new_tokens ({max_new}) + tree ({budget.total_tokens}) exceeds the "
+            f"target's context of {limit} positions: shorten the prompt or lower max_new_tokens."
+        )
+    if max_new < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new}.")
+    return max_new

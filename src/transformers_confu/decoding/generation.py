@@ -1,0 +1,308 @@
+"""The speculative decoding loop: draft a tree, verify it in one target pass, accept, compact, repeat."""
+
+from __future__ import annotations
+
+import inspect
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+import torch
+from transformers import (
+    Cache,
+    DynamicCache,
+    GenerationConfig,
+    LogitsProcessorList,
+    MinPLogitsWarper,
+    PreTrainedModel,
+    StoppingCriteriaList,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+from transformers.generation.stopping_criteria import (
+    EosTokenCriteria,
+    MaxLengthCriteria,
+    StopStringCriteria,
+)
+
+from ..models.contemplate import ContemplateAdapter, soft_prompt_mask
+from ..utils.cache import cache_kwargs, keep_path, key_width
+from .tree import DraftTree, TreeDrafter, additive_mask, pad_keys
+from .verify import accept_greedy, accept_sampling
+
+
+@dataclass
+class TreeBudget:
+    """EAGLE-2 dynamic tree budget: levels drafted, children per node, nodes verified (root included)."""
+
+    depth: int = 4
+    top_k: int = 4
+    total_tokens: int = 16
+
+
+@dataclass
+class SpeculativeStats:
+    """What one `generate` call did. `mean_accepted_tokens` (tau) counts the bonus token; `fresh_futures`
+    (ConFu) counts the rounds whose last accepted node had a `[con]` (so f was renewed). `mode` is the loop
+    that ran: `"eager"` (growing caches) or `"static"` (preallocated caches, fixed shapes, compiled where
+    the generation config says so); `compile_seconds` is the part of `total_seconds` spent compiling
+    (the first call of a shape), `draft_seconds`/`verify_seconds` are host-side times (asynchronous on a GPU)."""
+
+    mode: str = "eager"
+    compile_seconds: float = 0.0
+    new_tokens: int = 0
+    target_forwards: int = 0
+    accept_lengths: list[int] = field(default_factory=list)
+    fresh_futures: int = 0
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    total_seconds: float = 0.0
+
+    @property
+    def mean_accepted_tokens(self) -> float:
+        return sum(self.accept_lengths) / max(len(self.accept_lengths), 1)
+
+    @property
+    def other_seconds(self) -> float:
+        """Wall time outside the draft and target forwards (tree building, acceptance, bookkeeping)."""
+        return self.total_seconds - self.draft_seconds - self.verify_seconds
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "mean_accepted_tokens": self.mean_accepted_tokens, "other_seconds": self.other_seconds}
+
+
+def logits_warpers(config: GenerationConfig) -> LogitsProcessorList:
+    """The sampling warpers `generate` applies, in its order."""
+    warpers = LogitsProcessorList()
+    if config.temperature is not None and config.temperature != 1.0:
+        warpers.append(TemperatureLogitsWarper(config.temperature))
+    if config.top_k is not None and config.top_k != 0:
+        warpers.append(TopKLogitsWarper(top_k=config.top_k))
+    if config.top_p is not None and config.top_p < 1.0:
+        warpers.append(TopPLogitsWarper(top_p=config.top_p))
+    if config.min_p is not None:
+        warpers.append(MinPLogitsWarper(min_p=config.min_p))
+    return warpers
+
+
+def stopping_criteria(config: GenerationConfig, max_length: int, tokenizer=None) -> StoppingCriteriaList:
+    """The stopping criteria `generate` would use: length, EOS and stop strings."""
+    criteria = StoppingCriteriaList([MaxLengthCriteria(max_length=max_length)])
+    if config.eos_token_id is not None:
+        criteria.append(EosTokenCriteria(eos_token_id=config.eos_token_id))
+    if config.stop_strings:
+        if tokenizer is None:
+            raise ValueError("stop_strings needs the tokenizer: pass `tokenizer=tokenizer` to generate().")
+        criteria.append(StopStringCriteria(tokenizer=tokenizer, stop_strings=config.stop_strings))
+    return criteria
+
+
+@dataclass
+class StaticTarget:
+    """What the static mode runs the target with: an empty static `cache`, the `call` that runs the
+    fixed-shape tree passes (the model or its compiled call) and, compiled, `keep` (`keep_path` taking
+    device scalars), or None to run `keep_path` as it is. `warm`: the compiled calls have run once (the
+    loop counts the first round of a cold one as `stats.compile_seconds`)."""
+
+    cache: Cache
+    call: Callable
+    keep: Callable | None = None
+    warm: bool = False
+
+
+class _Target:
+    """The frozen target's forward passes: next-token logits and fused draft features.
+
+    `static`: the static mode's cache and calls (default: a `DynamicCache` and the model); the prompt pass
+    always runs the model itself.
+    With a `ContemplateAdapter` (ConFu) the cache starts with the soft prompt's constant keys and values
+    (`offset` positions, hidden from real tokens) and each tree pass carries `[con]` tokens (whose logits are
+    kept too with `con_logits`).
+    """
+
+    def __init__(self, model: PreTrainedModel, feature_layers: list[int],
+                 adapter: ContemplateAdapter | None = None, static: StaticTarget | None = None,
+                 con_logits: bool = False) -> None:
+        self.model, self.layers, self.adapter, self.con_logits = model, feature_layers, adapter, con_logits
+        cache = DynamicCache(config=model.config) if static is None else static.cache
+        self.cache = cache if adapter is None else adapter.prefilled_cache(model, cache)
+        self.offset = 0 if adapter is None else adapter.num_soft_tokens
+        self.call = model if static is None else static.call
+        self.keep_call = None if static is None else static.keep
+        self.kwargs = cache_kwargs(model, self.cache)
+        self.keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
+
+    def _forward(self, call, keep, **inputs) -> tuple[torch.Tensor, torch.Tensor]:
+        kwargs = {**self.kwargs, "logits_to_keep": keep} if self.keeps_logits else self.kwargs
+        out = call(**inputs, use_cache=True, output_hidden_states=True, **kwargs)
+        logits = out.logits[0]
+        if not self.keeps_logits:
+            logits = logits[keep] if torch.is_tensor(keep) else logits[-keep:]
+        return logits, torch.cat([out.hidden_states[i] for i in self.layers], dim=-1)
+
+    def _width(self, needed: int) -> int:
+        return key_width(self.cache, self.offset + needed)
+
+    def prefill(self, ids: torch.LongTensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The prompt pass: the last position's logits (all `generate` needs) and all features."""
+        if self.adapter is None:
+            return self._forward(self.model, 1, input_ids=ids)
+        n, device = ids.shape[1], ids.device
+        causal = torch.ones(n, n, dtype=torch.bool, device=device).tril()
+        mask = soft_prompt_mask(causal, self.offset, causal.new_zeros(n), self.model.dtype)
+        return self._forward(self.model, 1, input_ids=ids, position_ids=torch.arange(n, device=device)[None],
+                             attention_mask=pad_keys(mask, self._width(n)))
+
+    def keep(self, path: torch.Tensor, length: int | torch.Tensor, count: int | torch.Tensor) -> None:
+        """Compact the cache to the accepted `path` of `count` nodes after a tree pass at `length` (host ints,
+        or device scalars in static mode)."""
+        (self.keep_call or keep_path)(self.cache, self.offset + length, path, count)
+
+    def tree(self, tree: DraftTree, length: int, cons: torch.Tensor | None, state: torch.Tensor | None
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """Verify `tree` (root at position `length`) in one pass: (N, V) logits and (1, N, 3H) features at
+        the nodes, (M, 3H) features at the `[con]` tokens of nodes `cons` (M,) (routed by `state`, the
+        fused features of the last accepted token) and, with `con_logits`, their (M, V) logits."""
+        ancestry, positions, n = tree.ancestry, length + tree.depths, len(tree)
+        if self.adapter is None:
+            mask = additive_mask(ancestry, length, self.model.dtype, self._width(length + n))
+            logits, features = self._forward(self.call, n, input_ids=tree.tokens[None], position_ids=positions[None],
+                                             attention_mask=mask)
+            return logits, features, None, None
+        m, device = cons.numel(), tree.tokens.device
+        node_rows = torch.cat([ancestry, ancestry.new_zeros(n, m)], dim=1)
+        con_rows = torch.cat([ancestry[cons], torch.eye(m, dtype=torch.bool, device=device)], dim=1)
+        visible = torch.cat([node_rows, con_rows])
+        visible = torch.cat([visible.new_ones(n + m, length), visible], dim=1)
+        mask = soft_prompt_mask(visible, self.offset, torch.arange(n + m, device=device) >= n, self.model.dtype)
+        con = self.adapter.con_embedding(state).to(self.model.dtype).expand(m, -1)
+        embeds = torch.cat([self.model.get_input_embeddings()(tree.tokens), con])[None]
+        positions = torch.cat([positions, positions[cons] + 1])[None]
+        keep = torch.arange(n + m if self.con_logits else n, device=device)
+        logits, features = self._forward(self.call, keep, inputs_embeds=embeds, position_ids=positions,
+                                         attention_mask=pad_keys(mask, self._width(length + n + m)))
+        return logits[:n], features[:, :n], features[0, n:], logits[n:] if self.con_logits else None
+
+
+def _append(output, tokens, criteria, streamer) -> tuple[torch.LongTensor, bool]:
+    """Append `tokens` one at a time to the host copy of the output, stopping where `generate`'s stopping
+    criteria would (on the host: no device sync per token)."""
+    stopped, kept = False, 0
+    for token in tokens:
+        output = torch.cat([output, output.new_tensor([[token]])], dim=1)
+        kept += 1
+        stopped = bool(criteria(output, None).any())
+        if stopped:
+            break
+    if streamer is not None:
+        streamer.put(output[0, -kept:])
+    return output, stopped
+
+
+def _probs(logits: torch.Tensor, warpers: LogitsProcessorList) -> torch.Tensor:
+    """(N, V) logits -> the processed next-token probabilities that `generate` samples from."""
+    return torch.softmax(warpers(None, logits.float()), -1)
+
+
+def _select_token(logits: torch.Tensor, warpers: LogitsProcessorList | None) -> torch.Tensor:
+    if warpers is None:
+        return logits.argmax()
+    return torch.multinomial(_probs(logits[None], warpers)[0], 1)[0]
+
+
+@torch.no_grad()
+def speculative_generate(
+    target: PreTrainedModel,
+    drafter: TreeDrafter,
+    feature_layers: list[int],
+    input_ids: torch.LongTensor,
+    config: GenerationConfig,
+    max_new_tokens: int,
+    stats: SpeculativeStats,
+    tokenizer=None,
+    streamer=None,
+    adapter: ContemplateAdapter | None = None,
+    contemplate_nodes: int | None = None,
+    static: StaticTarget | None = None,
+    future_logit_weight: float = 0.0,
+) -> torch.LongTensor:
+    """Generate up to `max_new_tokens` after `input_ids` (1, T); returns (1, T + new).
+
+    One host sync per round: the accepted tokens are read once; the tree, the acceptance and the cache
+    edits stay on the device with fixed shapes. `static` (static mode): the target's static cache and
+    (compiled) calls; the drafter holds its own.
+
+    With `adapter` (ConFu) every verify pass also carries `[con]` tokens (on all nodes, or on the
+    `contemplate_nodes` likeliest ends of the accepted path); the future vector read at the last accepted
+    node feeds the next draft round (as its `[f]` entry, if the draft has one), and the previous one is kept
+    when that node had no `[con]`.
+    """
+    start = time.perf_counter()
+    prompt_len = input_ids.shape[1]
+    criteria = stopping_criteria(config, prompt_len + max_new_tokens, tokenizer)
+    warpers = logits_warpers(config) if config.do_sample else None
+    mix = adapter is not None and future_logit_weight > 0
+    entry = adapter is not None and drafter.draft.config.has_future_entry
+    verify = _Target(target, feature_layers, adapter, static, con_logits=mix)
+    compiled = verify.keep_call is not None
+    if streamer is not None:
+        streamer.put(input_ids.cpu())
+
+    t0 = time.perf_counter()
+    logits, features = verify.prefill(input_ids)
+    stats.verify_seconds += time.perf_counter() - t0
+    root = _select_token(logits[-1], warpers)
+    output, stopped = _append(input_ids.cpu(), [int(root)], criteria, streamer)
+    next_ids = torch.cat([input_ids[:, 1:], root.view(1, 1)], dim=1)
+    feats, state, length, count = features, features[0, -1], prompt_len, None
+    # the length as the fixed-shape calls see it: a host int, or in static mode a device scalar (no recompiles)
+    at = prompt_len if static is None else torch.tensor(prompt_len, device=input_ids.device)
+    future, prior = None, None
+    while not stopped:
+        if compiled:
+            torch.compiler.cudagraph_mark_step_begin()
+        # Draft: catch up on the newly accepted tokens, then draft a tree under the last one.
+        t0 = time.perf_counter()
+        drafter.catch_up(next_ids, feats, at, future, count)
+        tree = drafter.propose(root, at, prior)
+        ends = len(tree) if contemplate_nodes is None else min(contemplate_nodes, len(tree))
+        cons = None if adapter is None else tree.likely_ends(ends)
+        t1 = time.perf_counter()
+        # Verify the whole tree in one target pass, accept a path, keep only its keys and values.
+        logits, features, con_features, con_logits = verify.tree(tree, length, cons, state)
+        t2 = time.perf_counter()
+        if warpers is None:
+            path, size, root = accept_greedy(tree, logits)
+        else:
+            path, size, root = accept_sampling(tree, _probs(logits, warpers), drafter.d2t)
+        last = path.gather(0, (size - 1)[None])
+        next_ids = torch.cat([tree.tokens[path[1:]], root[None]]).scatter(0, size[None] - 1, root[None])[None]
+        hit = None if cons is None else cons == last  # the [con] of the last accepted node, if it had one
+        con_hit = torch.zeros_like(last) if hit is None else hit.any()[None].long()
+        read = torch.cat([size[None], con_hit, next_ids[0]]).tolist()  # the round's one host sync
+        n, fresh, accepted = read[0], read[1], read[2 : 2 + read[0]]
+        count = n if static is None else size
+        verify.keep(path, at, count)
+        prior = None
+        if fresh:
+            slot = hit.int().argmax()
+            if entry:
+                future = (con_features[slot], at + count - 1)
+            if mix:
+                prior = future_logit_weight * con_logits[slot, drafter.d2t].float().log_softmax(-1)
+            stats.fresh_futures += 1
+        if compiled and not static.warm:
+            stats.compile_seconds, static.warm = time.perf_counter() - t0, True
+        stats.draft_seconds += t1 - t0
+        stats.verify_seconds += t2 - t1
+        stats.target_forwards += 1
+        stats.accept_lengths.append(n)
+        output, stopped = _append(output, accepted, criteria, streamer)
+        feats, state = features[:, path], features[0, last[0]]
+        length, at = length + n, at + count
+    if streamer is not None:
+        streamer.end()
+    stats.new_tokens = output.shape[1] - prompt_len
+    stats.total_seconds = time.perf_counter() - start
+    return output.to(input_ids.device)

@@ -1,0 +1,1 @@
+"""Training drafts: CLI, Trainer and arguments, TTT, anchors, data, regeneration, feature cache."""

@@ -1,0 +1,294 @@
+"""Lossless tree speculative decoding through `generate(assistant_model=...)`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import tiny_target, tiny_tokenizer
+from transformers import DynamicCache, GenerationConfig
+
+from transformers_confu import ConFuAssistant, ConFuDraftConfig
+from transformers_confu.decoding.generation import (
+    SpeculativeStats,
+    StaticTarget,
+    speculative_generate,
+)
+from transformers_confu.decoding.oracle import OracleDrafter
+from transformers_confu.decoding.tree import additive_mask
+from transformers_confu.utils.cache import (
+    cache_kwargs,
+    keep_path,
+    key_width,
+    static_cache,
+)
+
+BUDGETS = [dict(depth=1, top_k=1, total_tokens=2), dict(depth=3, top_k=2, total_tokens=6),
+           dict(depth=5, top_k=4, total_tokens=24)]
+
+
+@pytest.fixture(params=["eager", "static"])
+def mode(request):
+    """The loop's two modes: growing caches, or static caches with fixed shapes (`cache_implementation="static"`)."""
+    return request.param
+
+
+def mode_kwargs(mode: str) -> dict:
+    return {"cache_implementation": "static"} if mode == "static" else {}
+
+
+def make_assistant(target, draft_vocab_size=64, draft_init=None, **tree):
+    config = ConFuDraftConfig.for_target(target, draft_vocab_size=draft_vocab_size)
+    if draft_init is not None:
+        config.initializer_range = draft_init
+    return ConFuAssistant.from_config(config, target, **tree)
+
+
+def plain(target, ids, **kw):
+    """Plain greedy `generate` (explicit mask: it would otherwise infer padding from pad_token_id)."""
+    return target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=0, **kw)
+
+
+@pytest.mark.parametrize("budget", BUDGETS, ids=lambda b: f"d{b['depth']}k{b['top_k']}n{b['total_tokens']}")
+def test_greedy_identity_random_draft(arch, budget, mode):
+    target = tiny_target(arch)
+    assistant = make_assistant(target, **budget)
+    for seed in range(6):
+        torch.manual_seed(seed)
+        ids = torch.randint(0, 128, (1, 3 + 4 * seed))
+        ref = plain(target, ids, max_new_tokens=30)
+        out = target.generate(ids, max_new_tokens=30, do_sample=False, assistant_model=assistant, **mode_kwargs(mode))
+        assert torch.equal(out, ref), f"seed {seed}"
+        assert assistant.stats.mode == mode
+        assert assistant.stats.new_tokens == 30
+        assert sum(assistant.stats.accept_lengths) == 29  # the first token comes from the prefill
+
+
+def oracle_generate(target, ids, reference, depth=4, total_tokens=10, mode="eager", **config_kw):
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(do_sample=False, **config_kw)
+    stats = SpeculativeStats()
+    drafter = OracleDrafter(reference, depth, total_tokens, target.config.vocab_size)
+    static = None
+    if mode != "eager":
+        static = StaticTarget(static_cache(target.config.num_hidden_layers, 128), target)
+    if mode == "compiled":  # the eager backend runs the captured graphs; fullgraph fails on a graph break
+        static.call, static.keep = (torch.compile(f, backend="eager", fullgraph=True) for f in (target, keep_path))
+    out = speculative_generate(target, drafter, [1, 2, 3], ids, config, config_kw.get("max_new_tokens", 40),
+                               stats, tokenizer=config_kw.get("tokenizer"), static=static)
+    return out, stats
+
+
+@pytest.mark.parametrize("mode", ["eager", "static", "compiled"])
+def test_greedy_identity_oracle_draft(arch, mode):
+    target = tiny_target(arch)
+    for seed in range(5):
+        torch.manual_seed(seed)
+        ids = torch.randint(0, 128, (1, 5 + seed))
+        ref = plain(target, ids, max_new_tokens=40)
+        out, stats = oracle_generate(target, ids, ref, depth=4, total_tokens=10, mode=mode, max_new_tokens=40)
+        assert torch.equal(out, ref)
+        assert stats.mean_accepted_tokens > 4.5  # full chains of 4 + bonus, except near the end
+
+
+def test_eos_inside_accepted_block(mode):
+    target = tiny_target()
+    ids = torch.randint(0, 128, (1, 6), generator=torch.Generator().manual_seed(1))
+    free = plain(target, ids, max_new_tokens=40)
+    eos = int(free[0, ids.shape[1] + 13])  # a token in the middle of a 5-token accepted block
+    ref = plain(target, ids, max_new_tokens=40, eos_token_id=eos)
+    out, stats = oracle_generate(target, ids, free, mode=mode, max_new_tokens=40, eos_token_id=eos)
+    assert torch.equal(out, ref)
+    assert out[0, -1] == eos and out.shape[1] < free.shape[1]
+
+
+@pytest.mark.parametrize("max_new", [1, 2, 13, 17])
+def test_max_new_tokens_mid_block(max_new, mode):
+    target = tiny_target()
+    ids = torch.randint(0, 128, (1, 6), generator=torch.Generator().manual_seed(2))
+    ref = plain(target, ids, max_new_tokens=max_new)
+    out, stats = oracle_generate(target, ids, plain(target, ids, max_new_tokens=40), mode=mode, max_new_tokens=max_new)
+    assert torch.equal(out, ref) and out.shape[1] == ids.shape[1] + max_new
+
+
+def test_stop_strings(mode):
+    target, tokenizer = tiny_target(), tiny_tokenizer()
+    ids = torch.randint(0, 128, (1, 6), generator=torch.Generator().manual_seed(3))
+    free = plain(target, ids, max_new_tokens=40)
+    stop = tokenizer.decode(free[0, ids.shape[1] + 9 : ids.shape[1] + 11])
+    ref = plain(target, ids, max_new_tokens=40, stop_strings=[stop], tokenizer=tokenizer)
+    assert ref.shape[1] < free.shape[1]
+    out, _ = oracle_generate(target, ids, free, mode=mode, max_new_tokens=40, stop_strings=[stop], tokenizer=tokenizer)
+    assert torch.equal(out, ref)
+    assistant = make_assistant(target)
+    out = target.generate(ids, max_new_tokens=40, stop_strings=[stop], tokenizer=tokenizer, assistant_model=assistant,
+                          **mode_kwargs(mode))
+    assert torch.equal(out, ref)
+
+
+def test_streamer_receives_every_token(mode):
+    target = tiny_target()
+    assistant = make_assistant(target)
+
+    class Collect:
+        def __init__(self):
+            self.chunks, self.ended = [], False
+
+        def put(self, value):
+            self.chunks.append(value.flatten())
+
+        def end(self):
+            self.ended = True
+
+    ids = torch.randint(0, 128, (1, 5), generator=torch.Generator().manual_seed(4))
+    streamer = Collect()
+    out = target.generate(ids, max_new_tokens=20, do_sample=False, assistant_model=assistant, streamer=streamer,
+                          **mode_kwargs(mode))
+    assert streamer.ended and torch.equal(torch.cat(streamer.chunks), out[0])
+
+
+@pytest.mark.parametrize("kind", ["dynamic", "static"])
+def test_kv_compaction_matches_sequential_forward(kind):
+    """A tree pass then `keep_path` (with a padded path, as the loop passes it) leaves the cache that
+    decoding the accepted path token by token would have built."""
+    target = tiny_target()
+    prefix = torch.randint(0, 128, (1, 7), generator=torch.Generator().manual_seed(5))
+    tree_tokens = torch.tensor([[11, 12, 13, 14, 15, 16]])
+    parents = [-1, 0, 0, 1, 2, 3]  # node 5 has ancestors 3, 1, 0
+    anc = torch.zeros(6, 6, dtype=torch.bool)
+    for i, p in enumerate(parents):
+        anc[i] = anc[p] if p >= 0 else anc[i]
+        anc[i, i] = True
+    depths = anc.sum(1) - 1
+    cache = DynamicCache(config=target.config) if kind == "dynamic" else static_cache(target.config.num_hidden_layers, 32)
+    target(prefix, use_cache=True, **cache_kwargs(target, cache))
+    mask = additive_mask(anc, 7, torch.float32, key_width(cache, 13))
+    tree_out = target(tree_tokens, position_ids=(7 + depths)[None], attention_mask=mask,
+                      use_cache=True, **cache_kwargs(target, cache))
+    path = [0, 1, 3, 5]
+    keep_path(cache, 7, torch.tensor(path + [2, 4]), 4)
+    assert int(cache.get_seq_length()) == 11
+    seq_cache = DynamicCache(config=target.config)
+    seq_out = target(torch.cat([prefix, tree_tokens[:, path]], 1), use_cache=True, **cache_kwargs(target, seq_cache))
+    torch.testing.assert_close(tree_out.logits[0, path], seq_out.logits[0, 7:], atol=1e-5, rtol=1e-4)
+    for a, b in zip(cache.layers, seq_cache.layers):
+        torch.testing.assert_close(a.keys[..., :11, :], b.keys, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(a.values[..., :11, :], b.values, atol=1e-5, rtol=1e-4)
+
+
+def test_plain_generate_untouched_by_wrapping():
+    target = tiny_target()
+    ids = torch.randint(0, 128, (1, 5), generator=torch.Generator().manual_seed(6))
+    ref = plain(target, ids, max_new_tokens=10)
+    make_assistant(target)
+    assert torch.equal(plain(target, ids, max_new_tokens=10), ref)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(input_ids=torch.zeros(2, 4, dtype=torch.long)), "batch size 1"),
+        (dict(input_ids=torch.zeros(1, 0, dtype=torch.long)), "empty"),
+        (dict(num_beams=2), "num_beams"),
+        (dict(repetition_penalty=1.2), "repetition_penalty"),
+        (dict(attention_mask=torch.tensor([[0, 1, 1, 1]])), "Padded"),
+        (dict(max_new_tokens=600), "context"),
+        (dict(stop_strings=["x"]), "tokenizer"),
+        (dict(tree_total_tokens=0), "Tree budget"),
+        (dict(tree_top_k=65), "exceeds the draft vocabulary"),
+        (dict(return_dict_in_generate=True), "return_dict_in_generate"),
+        (dict(cache_implementation="offloaded"), "cache_implementation"),
+    ],
+)
+def test_unsupported_inputs_raise_clear_errors(kwargs, match):
+    target = tiny_target()
+    assistant = make_assistant(target)
+    kwargs = {"input_ids": torch.ones(1, 4, dtype=torch.long), "max_new_tokens": 5, **kwargs}
+    with pytest.raises((ValueError, TypeError), match=match):
+        target.generate(assistant_model=assistant, **kwargs)
+
+
+@pytest.mark.parametrize("kwargs", [dict(do_sample=True), dict(do_sample=True, temperature=0.5, top_p=0.9),
+                                    dict(max_new_tokens=7), dict(generation_config=GenerationConfig(top_k=3))])
+def test_generation_config_merged_as_generate_does(kwargs):
+    """Same settings as plain generate, including its global defaults (top_k=50 when sampling)."""
+    from transformers_confu.decoding.assistant import _generation_config
+
+    target = tiny_target()
+    target.generation_config.eos_token_id = 5
+    ours = _generation_config(target, dict(kwargs))
+    theirs, _ = target._prepare_generation_config(kwargs.pop("generation_config", None), **kwargs)
+    assert ours.to_dict() == theirs.to_dict()
+    assert ours.eos_token_id == 5 and (not ours.do_sample or ours.top_k in (50, 3))
+
+
+def test_unknown_generate_argument_raises():
+    target = tiny_target()
+    assistant = make_assistant(target)
+    with pytest.raises(TypeError, match="frobnicate"):
+        target.generate(torch.ones(1, 4, dtype=torch.long), assistant_model=assistant, frobnicate=1)
+
+
+def test_generate_of_unprepared_model_explains_the_fix():
+    target, other = tiny_target(), tiny_target()
+    assistant = make_assistant(target)
+    with pytest.raises(AttributeError, match=rf"drafts for the LlamaForCausalLM at {id(target):#x}.*Build one for "
+                                             r"the model you call.*target_model=model.*BEFORE"):
+        other.generate(torch.ones(1, 4, dtype=torch.long), max_new_tokens=3, assistant_model=assistant)
+
+
+def test_assistant_passed_to_another_prepared_model_names_both():
+    target, other = tiny_target(), tiny_target()
+    assistant = make_assistant(target)
+    make_assistant(other)  # prepares other.generate
+    with pytest.raises(ValueError, match=rf"drafts for the LlamaForCausalLM at {id(target):#x}, not for the model "
+                                         rf"whose generate\(\) was called \(the LlamaForCausalLM at {id(other):#x}\)"):
+        other.generate(torch.ones(1, 4, dtype=torch.long), max_new_tokens=3, assistant_model=assistant)
+
+
+def test_draft_for_other_target_raises():
+    draft_target, other = tiny_target(), tiny_target(vocab_size=96)
+    config = ConFuDraftConfig.for_target(draft_target, draft_vocab_size=64)
+    with pytest.raises(ValueError, match="vocab_size: draft expects 128, target has 96"):
+        ConFuAssistant.from_config(config, other)
+
+
+def test_assistant_save_and_load_roundtrip(tmp_path):
+    target = tiny_target()
+    assistant = make_assistant(target, depth=3, top_k=2, total_tokens=6)
+    assistant.save_pretrained(tmp_path)
+    loaded = ConFuAssistant.from_pretrained(tmp_path, target_model=target, depth=3, top_k=2, total_tokens=6)
+    ids = torch.randint(0, 128, (1, 5), generator=torch.Generator().manual_seed(7))
+    out_a = target.generate(ids, max_new_tokens=12, do_sample=False, assistant_model=assistant)
+    stats_a = list(assistant.stats.accept_lengths)
+    out_b = target.generate(ids, max_new_tokens=12, do_sample=False, assistant_model=loaded)
+    assert torch.equal(out_a, out_b) and stats_a == loaded.stats.accept_lengths
+
+
+def test_static_mode_refuses_sliding_window_targets():
+    target = tiny_target("qwen2", use_sliding_window=True, sliding_window=8, max_window_layers=0)
+    assistant = make_assistant(target)
+    with pytest.raises(ValueError, match="full-attention"):
+        target.generate(torch.ones(1, 4, dtype=torch.long), max_new_tokens=5, assistant_model=assistant,
+                        cache_implementation="static")
+
+
+def test_compiled_static_mode_is_exact_without_graph_breaks_or_recompiles():
+    """`compile_config` compiles the tree pass and draft step (here with the `eager` backend, which runs the
+    captured graphs as they are: `fullgraph=True` fails on any graph break). Prompts of other lengths in the
+    same capacity bucket, and later calls, reuse the compiled graphs and the caches."""
+    from test_sampling import compiled_static
+    from torch._dynamo.utils import counters
+
+    target = tiny_target()
+    assistant = make_assistant(target, depth=3, top_k=2, total_tokens=6)
+    graphs = []
+    for seed, length in enumerate([5, 11, 23]):
+        ids = torch.randint(0, 128, (1, length), generator=torch.Generator().manual_seed(seed))
+        out = target.generate(ids, max_new_tokens=30, do_sample=False, assistant_model=assistant,
+                              **compiled_static())
+        assert torch.equal(out, plain(target, ids, max_new_tokens=30)), f"prompt of {length}"
+        assert assistant.stats.mode == "static"
+        assert (assistant.stats.compile_seconds > 0) == (seed == 0)
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[0] > 0 and graphs[1] == graphs[0] == graphs[2]
