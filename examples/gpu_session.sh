@@ -10,11 +10,12 @@
 #   carry [".dev/s3"]:  bash examples/gpu_session.sh bench    # issue #12: static/compiled loop vs compiled generate,
 #                                                             # then syncs per round and device busy share
 #   carry [".dev/s3"]:  bash examples/gpu_session.sh train    # issue #10: the one-command GPU recipe
+# put1/put2 keep the halves in $STAGE (default .dev/stage, ignored like .dev/, so it stays between calls).
 # Results come back under $OUT (bench: .md/.json; train: the draft split in 15 MB parts, join with cat).
 # `SMOKE=1 bash examples/gpu_session.sh bench|train` runs the same steps on this CPU at tiny size.
 set -euo pipefail
 step=${1:?stage|put1|put2|bench|train}
-stage=/root/stage
+stage=${STAGE:-.dev/stage}  # where put1/put2 assemble the halves on the device (relative: the repository root)
 site=/tmp/site
 OUT=${OUT:-/tmp/gpu_out}
 

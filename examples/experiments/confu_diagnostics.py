@@ -27,6 +27,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shlex
+import sys
 from functools import partial
 from pathlib import Path
 
@@ -52,6 +54,8 @@ from transformers_confu.training.ttt import (
     ttt_valid_positions,
 )
 
+SHIPPED = f"transformers_confu/checkpoints/{CONFU_DRAFT.name}"  # how records name the default (no machine path)
+
 
 def log_mix(q: torch.Tensor, p: torch.Tensor, w: float) -> torch.Tensor:
     return q + w * p
@@ -72,7 +76,7 @@ COMBINERS = {**{f"w{w}": partial(log_mix, w=w) for w in (0.25, 0.5, 1.0, 2.0)},
 @torch.no_grad()
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--draft", default=str(CONFU_DRAFT))
+    p.add_argument("--draft", default=None, help=f"default: the shipped ConFu draft ({SHIPPED})")
     p.add_argument("--adapter", default=None, help="the ConFu draft folder whose adapter to use (default: --draft's)")
     p.add_argument("--answers", required=True, help="a confu-bench answer file of plain generate (generate.jsonl)")
     p.add_argument("--anchor-ratio", type=float, default=0.1)
@@ -84,7 +88,8 @@ def main() -> None:
     p.add_argument("--out", required=True, help="writes OUT.json and OUT.md")
     args = p.parse_args()
     target, tokenizer = load_target()
-    draft, adapter = load_draft(args.draft), load_adapter(args.adapter or args.draft)
+    path = args.draft or CONFU_DRAFT
+    draft, adapter = load_draft(path), load_adapter(args.adapter or path)
     draft.attach_target(target)
     entry = draft.config.has_future_entry  # else f reaches the draft only as a prior on its first level
     draft.self_attn.config._attn_implementation = "eager"  # to read the attention weights
@@ -148,7 +153,7 @@ def main() -> None:
     right = {key: torch.cat(values) for key, values in per_anchor.items()}
     draft_right, con_right = right["draft"], right["con"]
     result = dict(
-        draft=args.draft, anchors=len(draft_right),
+        draft=args.draft or SHIPPED, anchors=len(draft_right),
         con_future_token_acc=totals["con_hits"] / max(totals["con_count"], 1),
         draft_acc_at_anchors=draft_right.double().mean().item(),
         con_only_at_anchors=(con_right & ~draft_right).double().mean().item(),
@@ -162,9 +167,7 @@ def main() -> None:
             full_acc_without_f=totals["acc_without"] / n, attention_on_f=totals["attention"] / n,
             future_attention_bias=float(draft.future_bias), f_router_logit_std=sum(f_spread) / len(f_spread),
             f_expert_usage=(f_usage / f_usage.sum()).tolist())
-    result["command"] = "python examples/experiments/confu_diagnostics.py " + " ".join(
-        f"--{k.replace('_', '-')}" if v is True else f"--{k.replace('_', '-')} {v}"
-        for k, v in vars(args).items() if v not in (None, False))
+    result["command"] = "python examples/experiments/confu_diagnostics.py " + shlex.join(sys.argv[1:])  # as typed
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     if args.per_anchor:
         result["per_anchor"] = {key: "".join(map(str, bits.int().tolist())) for key, bits in right.items()}
