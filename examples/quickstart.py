@@ -11,7 +11,7 @@ import time
 import torch
 from transformers import TextStreamer
 
-from transformers_confu import ConFuAssistant, ConFuDraftConfig, load_target
+from transformers_confu import ConFuAssistant, load_target
 from transformers_confu.benchmark.questions import chat_input_ids
 from transformers_confu.models.hub import describe_con_tokens
 from transformers_confu.models.target import DEFAULT_DRAFT
@@ -30,15 +30,13 @@ def main() -> None:
     args = parser.parse_args()
     torch.manual_seed(0)
     model, tokenizer = load_target()
-    if (DEFAULT_DRAFT / "config.json").is_file():
-        assistant = ConFuAssistant.from_pretrained(DEFAULT_DRAFT, target_model=model)
-        mode = "EAGLE-3" if assistant.adapter is None else "ConFu, [con] tokens per verify pass: " + describe_con_tokens(
-            assistant.contemplate_nodes, assistant.draft.config.contemplate_when_greedy)
-        print(f"Draft: {DEFAULT_DRAFT.name} ({mode}; tree depth {assistant.budget.depth}, top-k "
-              f"{assistant.budget.top_k}, {assistant.budget.total_tokens} nodes)")
-    else:
-        assistant = ConFuAssistant.from_config(ConFuDraftConfig.for_target(model), target_model=model)
-        print("No trained draft is shipped yet: using an UNTRAINED draft (expect tau close to 1).")
+    assistant = ConFuAssistant.from_pretrained(DEFAULT_DRAFT, target_model=model)
+    method = "EAGLE-3" if assistant.adapter is None else "ConFu, [con] tokens per verify pass: " + describe_con_tokens(
+        assistant.contemplate_nodes, assistant.draft.config.contemplate_when_greedy)
+    budget = assistant.budget
+    tree = f"d{budget.depth}k{budget.top_k}n{budget.total_tokens}"
+    print(f"Draft: {DEFAULT_DRAFT.name} ({method}); tree {tree} (depth {budget.depth}, top-k {budget.top_k}, "
+          f"{budget.total_tokens} nodes)")
     plain_s = spec_s = 0.0
     new_tokens = accepted = passes = 0
     for prompt in PROMPTS:
@@ -46,7 +44,7 @@ def main() -> None:
         print(f"\n>>> {prompt}\n")
         start = time.perf_counter()
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.max_new_tokens,
-                             do_sample=False, assistant_model=assistant, streamer=TextStreamer(tokenizer, skip_prompt=True))
+                             do_sample=False, assistant_model=assistant, streamer=TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True))
         spec_s += time.perf_counter() - start
         start = time.perf_counter()
         ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.max_new_tokens, do_sample=False)
@@ -57,7 +55,8 @@ def main() -> None:
         passes += stats.target_forwards
         print(f"[tau {stats.mean_accepted_tokens:.2f}, {stats.new_tokens} tokens, identical to plain generate: "
               f"{torch.equal(out, ref)}]")
-    print(f"\nOverall: tau {accepted / max(passes, 1):.2f} tokens per target pass; "
+    print(f"\nOverall ({DEFAULT_DRAFT.name}, {method}, tree {tree}, greedy): tau {accepted / max(passes, 1):.2f} "
+          "tokens per target pass; "
           f"speed-up over plain generate {plain_s / spec_s:.2f}x ({new_tokens / spec_s:.1f} vs "
           f"{new_tokens / plain_s:.1f} tokens/s, same run, this machine).")
 
