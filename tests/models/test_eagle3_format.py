@@ -12,6 +12,7 @@ from test_hub import fake_hub_cache, run_python
 
 from transformers_confu import ConFuAssistant, ConFuDraftConfig, ConFuDraftModel
 from transformers_confu.models.eagle3_format import save_eagle3
+from transformers_confu.training.ttt import ttt_loss
 
 DRAFT_VOCAB = 48
 
@@ -83,9 +84,10 @@ def test_reference_checkpoint_drafts_exactly_as_our_format(tmp_path):
 
 
 def reference_step(tensors: dict, config: dict, embeddings, features, ids):
-    """One EAGLE-3 draft step written from the reference format's definition (SGLang's LlamaForCausalLMEagle3):
-    fc -> [input_layernorm(embed); hidden_norm(h)] -> Llama attention + MLP with residual h -> norm -> lm_head,
-    then target id = draft id + d2t[draft id]."""
+    """One EAGLE-3 draft step written from the reference format's definition (SGLang's and SpecForge's
+    LlamaForCausalLMEagle3): fc -> [input_layernorm(embed); hidden_norm(h)] -> Llama attention + MLP with residual
+    h -> norm (skipped when the config says `norm_output: false`, SpecForge's Eagle3.1 option) -> lm_head, then
+    target id = draft id + d2t[draft id]. Returns (draft-vocabulary logits, target ids, h)."""
     w = {k.removeprefix("midlayer."): v.double() for k, v in tensors.items()}
     heads, kv, eps = config["num_attention_heads"], config["num_key_value_heads"], config["rms_norm_eps"]
 
@@ -110,8 +112,19 @@ def reference_step(tensors: dict, config: dict, embeddings, features, ids):
     y = rms(h, w["post_attention_layernorm.weight"])
     h = h + (torch.nn.functional.silu(y @ w["mlp.gate_proj.weight"].T) * (y @ w["mlp.up_proj.weight"].T)) @ \
         w["mlp.down_proj.weight"].T
-    draft_ids = (rms(h, w["norm.weight"]) @ w["lm_head.weight"].T).argmax(-1)
-    return draft_ids + tensors["d2t"][draft_ids], h
+    logits = (rms(h, w["norm.weight"]) if config.get("norm_output", True) else h) @ w["lm_head.weight"].T
+    draft_ids = logits.argmax(-1)
+    return logits, draft_ids + tensors["d2t"][draft_ids], h
+
+
+def draft_inputs(target, config: dict, length: int = 9):
+    """Token ids, the target's fused features at the reference config's aux layers, and a causal additive mask."""
+    ids = torch.randint(0, 128, (1, length), generator=torch.Generator().manual_seed(0))
+    hidden = target(ids, output_hidden_states=True).hidden_states
+    features = torch.cat([hidden[i + 1] for i in config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]], -1)
+    causal = torch.zeros(length, length, dtype=torch.float64).masked_fill(
+        torch.ones(length, length, dtype=torch.bool).triu(1), torch.finfo(torch.float64).min)
+    return ids, features, causal[None, None]
 
 
 def test_exported_checkpoint_matches_the_reference_definition(tmp_path):
@@ -121,15 +134,45 @@ def test_exported_checkpoint_matches_the_reference_definition(tmp_path):
     save_eagle3(draft, tmp_path / "out")
     tensors, config = load_file(tmp_path / "out" / "model.safetensors"), json.loads((tmp_path / "out" / "config.json").read_text())
     draft.attach_target(target)
-    ids = torch.randint(0, 128, (1, 9), generator=torch.Generator().manual_seed(0))
-    hidden = target(ids, output_hidden_states=True).hidden_states
-    features = torch.cat([hidden[i + 1] for i in config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]], -1)
-    expected, expected_h = reference_step(tensors, config, target.get_input_embeddings(), features[0], ids)
-    causal = torch.zeros(9, 9, dtype=torch.float64).masked_fill(torch.ones(9, 9, dtype=torch.bool).triu(1),
-                                                                torch.finfo(torch.float64).min)
-    h = draft(ids, features.double(), torch.arange(9)[None], causal[None, None])
+    ids, features, causal = draft_inputs(target, config)
+    _, expected, expected_h = reference_step(tensors, config, target.get_input_embeddings(), features[0], ids)
+    h = draft(ids, features.double(), torch.arange(9)[None], causal)
     assert torch.allclose(h[0], expected_h, atol=1e-5)
     assert torch.equal(draft.d2t[draft.logits(h)[0].argmax(-1)], expected)
+
+
+def test_norm_output_false_checkpoint_loads_drafts_trains_and_exports_as_the_reference(tmp_path):
+    """SpecForge's `norm_output: false` (no norm before lm_head; norm.weight still saved): the loaded draft's logits
+    are the reference definition's, its training loss does not go through the norm, and export keeps the option."""
+    target = tiny_target()
+    folder = write_reference(random_draft(target), target, tmp_path / "ref", norm_output=False)
+    tensors, config = load_file(folder / "model.safetensors"), json.loads((folder / "config.json").read_text())
+    draft = ConFuAssistant.from_pretrained(folder, target_model=target).draft.double()
+    assert draft.config.norm_output is False
+    ids, features, causal = draft_inputs(target, config)
+    expected, expected_ids, _ = reference_step(tensors, config, target.get_input_embeddings(), features[0], ids)
+    normed, _, _ = reference_step(tensors, {**config, "norm_output": True}, target.get_input_embeddings(),
+                                  features[0], ids)
+    assert (normed - expected).abs().max() > 1.0  # the norm matters for these weights
+    logits = draft.logits(draft(ids, features.double(), torch.arange(9)[None], causal))[0]
+    assert torch.allclose(logits, expected, atol=1e-6)
+    assert torch.equal(draft.d2t[logits.argmax(-1)], expected_ids)
+
+    draft.float().requires_grad_(True)
+    loss, _ = ttt_loss(draft, features, torch.randn(1, 9, DRAFT_VOCAB), ids, torch.ones(1, 9), torch.ones(1, 9),
+                       steps=2)
+    loss.backward()
+    assert draft.norm.weight.grad is None and draft.lm_head.weight.grad.abs().sum() > 0
+
+    ConFuAssistant(draft, target).save_pretrained(tmp_path / "ours")
+    assert ConFuAssistant.from_pretrained(tmp_path / "ours", target_model=target).draft.config.norm_output is False
+    save_eagle3(draft, tmp_path / "back")
+    assert json.loads((tmp_path / "back" / "config.json").read_text())["norm_output"] is False
+    exported = load_file(tmp_path / "back" / "model.safetensors")
+    assert set(exported) == set(tensors) - {"embed_tokens.weight"}
+    assert all(torch.equal(exported[name], tensors[name]) for name in exported)
+    save_eagle3(random_draft(target), tmp_path / "normed")  # the default is not written (SpecForge's default)
+    assert "norm_output" not in json.loads((tmp_path / "normed" / "config.json").read_text())
 
 
 def test_round_trip_ours_to_eagle3_and_back(tmp_path):

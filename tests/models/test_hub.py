@@ -155,8 +155,9 @@ def test_shipped_draft_remote_code_matches_the_package():
     """The shipped folders carry copies of the modeling code for remote-code loading: they must not drift."""
     from transformers_confu.models.target import CHECKPOINTS
 
+    models = CHECKPOINTS.parent / "models"  # the package's own copies
     folders = [f for f in CHECKPOINTS.iterdir() if (f / "config.json").is_file()]
     assert folders
     for folder in folders:
         for name in ("configuration_confu.py", "modeling_confu.py"):
-            assert (folder / name).read_text() == (CHECKPOINTS.parent / name).read_text(), (folder.name, name)
+            assert (folder / name).read_text() == (models / name).read_text(), (folder.name, name)

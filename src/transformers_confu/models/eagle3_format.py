@@ -8,7 +8,9 @@ A reference draft is a folder with a Llama-style `config.json` (`model_type: "ll
     midlayer.hidden_norm.weight          (H,)     norm of the fused feature        (ours: hidden_norm)
     midlayer.self_attn.{q,k,v}_proj      (., 2H)  over [normed embedding; normed feature], in that order
     midlayer.self_attn.o_proj, midlayer.post_attention_layernorm, midlayer.mlp.*    (ours: same names)
-    norm.weight, lm_head.weight          (D, H)   logits over the draft vocabulary
+    norm.weight, lm_head.weight          (D, H)   logits over the draft vocabulary: lm_head(norm(h)), or lm_head(h) when
+                                                  the config says `norm_output: false` (SpecForge's Eagle3.1 option;
+                                                  norm.weight is still saved, unused)
     d2t                                  (D,)     OFFSETS: target id = draft id + d2t[draft id]  (ours: absolute ids)
     t2d                                  (V,)     bool, the target ids the draft can emit        (ours: same)
     embed_tokens.weight                  (V, H)   optional frozen copy of the target's embedding (ours: borrowed)
@@ -107,6 +109,7 @@ def _reference_config(draft: ConFuDraftModel) -> dict[str, Any]:
     config = draft.config
     layer = LlamaConfig(**config.layer_config)
     rope = dict(layer.rope_parameters or {})
+    norm = {} if config.norm_output else {"norm_output": False}  # written only when off, SpecForge's default on
     return dict(
         architectures=[EAGLE3_ARCHITECTURE], model_type=_FAMILY, num_hidden_layers=1,
         hidden_size=config.hidden_size, intermediate_size=layer.intermediate_size,
@@ -118,7 +121,7 @@ def _reference_config(draft: ConFuDraftModel) -> dict[str, Any]:
         vocab_size=config.vocab_size, draft_vocab_size=config.draft_vocab_size, tie_word_embeddings=False,
         torch_dtype=str(draft.fc.weight.dtype).removeprefix("torch."),
         eagle_config=dict(eagle_aux_hidden_state_layer_ids=[i - 1 for i in config.feature_layers],
-                          use_aux_hidden_state=True),
+                          use_aux_hidden_state=True), **norm,
     )
 
 
@@ -145,7 +148,7 @@ def _config_for_target(reference: dict[str, Any], target: PreTrainedModel, name:
     fields = {k: v for k, v in reference.items() if k not in ("architectures", "eagle_config", "auto_map")}
     layer_config = ConFuDraftConfig.for_target(LlamaConfig(**fields)).layer_config
     return ConFuDraftConfig.for_target(target, draft_vocab_size=reference["draft_vocab_size"], feature_layers=layers,
-                                       layer_config=layer_config)
+                                       layer_config=layer_config, norm_output=bool(reference.get("norm_output", True)))
 
 
 def _feature_layers(reference: dict[str, Any], num_layers: int) -> list[int]:

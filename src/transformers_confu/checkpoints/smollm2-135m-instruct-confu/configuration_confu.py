@@ -59,6 +59,8 @@ class ConFuDraftConfig(PretrainedConfig):
             the prior gains at T=0 (on a 2-core CPU the shipped drafts measured +1.4-2% tau there at 1-2% fewer
             tokens/s, and +5-7% tau at 2-3% more tokens/s at T=0.7).
         tree_depth, tree_top_k, tree_total_tokens: default EAGLE-2 dynamic-tree budget.
+        norm_output: the final norm before the LM head (EAGLE-3). False: the head reads the layer's output as it
+            is (SpecForge's Eagle3.1 option `norm_output: false`; the `norm` weights are kept but unused).
     """
 
     model_type = "confu_draft"
@@ -84,6 +86,7 @@ class ConFuDraftConfig(PretrainedConfig):
         tree_depth: int = 4,
         tree_top_k: int = 4,
         tree_total_tokens: int = 16,
+        norm_output: bool = True,
         **kwargs: Any,
     ) -> None:
         self.target_model_type = target_model_type
@@ -105,6 +108,7 @@ class ConFuDraftConfig(PretrainedConfig):
         self.tree_depth = tree_depth
         self.tree_top_k = tree_top_k
         self.tree_total_tokens = tree_total_tokens
+        self.norm_output = norm_output
         super().__init__(**kwargs)
         self.validate_fields()
 

@@ -264,8 +264,9 @@ class ConFuDraftModel(PreTrainedModel):
         return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
 
     def logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """(…, H) draft hidden states -> (…, D) draft-vocabulary logits."""
-        return self.lm_head(self.norm(hidden_states))
+        """(…, H) draft hidden states -> (…, D) draft-vocabulary logits (through the final norm unless the config
+        says `norm_output=False`)."""
+        return self.lm_head(self.norm(hidden_states) if self.config.norm_output else hidden_states)
 
 
 ConFuDraftConfig.register_for_auto_class()
