@@ -187,11 +187,10 @@ def test_plain_generate_untouched_by_wrapping():
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        (dict(input_ids=torch.zeros(2, 4, dtype=torch.long)), "batch size 1"),
         (dict(input_ids=torch.zeros(1, 0, dtype=torch.long)), "empty"),
         (dict(num_beams=2), "num_beams"),
         (dict(repetition_penalty=1.2), "repetition_penalty"),
-        (dict(attention_mask=torch.tensor([[0, 1, 1, 1]])), "Padded"),
+        (dict(attention_mask=torch.tensor([[1, 1, 1, 0]])), "Right padding"),
         (dict(max_new_tokens=600), "context"),
         (dict(stop_strings=["x"]), "tokenizer"),
         (dict(tree_total_tokens=0), "Tree budget"),

@@ -28,6 +28,7 @@ from ..models.eagle3_format import is_eagle3_config, load_eagle3, read_config, s
 from ..models.modeling_confu import ConFuDraftModel
 from ..utils.cache import keep_path, static_cache, truncate_cache
 from ..utils.packed_linear import pack_linear_weights
+from .batched import generate_batch, is_batch
 from .generation import SpeculativeStats, StaticTarget, TreeBudget, speculative_generate
 from .tree import TreeDrafter, catch_up_step, draft_tree
 
@@ -106,6 +107,7 @@ class ConFuAssistant:
             top_k=tree.get("top_k", cfg.tree_top_k),
             total_tokens=tree.get("total_tokens", cfg.tree_total_tokens),
         )
+        self._budget_set = bool(tree)  # batches run an explicit budget as it is, else `batch_budget`'s
         self.stats = SpeculativeStats()
         _wrap_generate(target_model)
 
@@ -181,13 +183,12 @@ class ConFuAssistant:
                 f"called ({_describe(target)}): build one for that model with "
                 "`ConFuAssistant.from_pretrained(draft, target_model=model)`."
             )
-        input_ids = kwargs.pop("inputs", input_ids)
+        input_ids, mask = kwargs.pop("inputs", input_ids), kwargs.pop("attention_mask", None)
         if input_ids is None or input_ids.ndim != 2:
-            raise ValueError("Pass `input_ids` of shape (1, prompt_length).")
-        if input_ids.shape[0] != 1:
-            raise ValueError(f"ConFu speculative decoding supports batch size 1 only, got {input_ids.shape[0]}.")
+            raise ValueError("Pass `input_ids` of shape (batch, prompt_length).")
         if input_ids.shape[1] == 0:
             raise ValueError("The prompt is empty: speculative decoding needs at least one prompt token.")
+        tree_set = self._budget_set or any(f"tree_{name}" in kwargs for name in ("depth", "top_k", "total_tokens"))
         budget = TreeBudget(
             depth=kwargs.pop("tree_depth", self.budget.depth),
             top_k=kwargs.pop("tree_top_k", self.budget.top_k),
@@ -198,7 +199,6 @@ class ConFuAssistant:
         if budget.top_k > self.draft.config.draft_vocab_size:
             raise ValueError(f"Tree budget top_k={budget.top_k} exceeds the draft vocabulary "
                              f"({self.draft.config.draft_vocab_size}).")
-        _check_attention_mask(kwargs.pop("attention_mask", None))
         tokenizer, streamer = kwargs.pop("tokenizer", None), kwargs.pop("streamer", None)
         nodes_set = self._nodes_set or "contemplate_nodes" in kwargs
         contemplate_nodes = kwargs.pop("contemplate_nodes", self.contemplate_nodes)
@@ -211,6 +211,9 @@ class ConFuAssistant:
         if not (nodes_set or config.do_sample or self.draft.config.contemplate_when_greedy):
             contemplate_nodes = 0
         max_new = _max_new_tokens(config, input_ids.shape[1], budget, target)
+        if is_batch(input_ids, mask):  # B > 1 or left padding: batched.py
+            return generate_batch(self, target, input_ids, mask, config, budget if tree_set else None, max_new,
+                                  tokenizer, streamer, contemplate_nodes, future_logit_weight)
         self.stats = SpeculativeStats()
         temperature = (config.temperature or 1.0) if config.do_sample else None
         parts = {}
@@ -350,11 +353,6 @@ def _wrap_generate(model: PreTrainedModel) -> None:
 
     generate._confu_wrapped = True
     model.generate = generate
-
-
-def _check_attention_mask(mask: torch.Tensor | None) -> None:
-    if mask is not None and not bool(mask.all()):
-        raise ValueError("Padded prompts are not supported (batch size 1): pass the prompt without padding.")
 
 
 def _generation_config(target: PreTrainedModel, kwargs: dict[str, Any]) -> GenerationConfig:

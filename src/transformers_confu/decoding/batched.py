@@ -1,0 +1,499 @@
+"""Batched speculative decoding: B left-padded prompts, one draft tree (or chain) per row, every row's tree
+verified in the same target pass.
+
+Rows advance at their own pace. The caches are shared tensors in which each row keeps its own valid entries
+`[start, end)` (`RowCache`: the rest of its row is masked); each row has its own positions (numbered as plain
+batched `generate` numbers them, padding excluded), its own acceptance and its own stopping. After a verify
+pass each row's accepted path is moved down to that row's end; finished rows leave the batch. The output is
+padded as plain batched `generate` pads it (`pad_token_id` after a row's end).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from transformers import Cache, DynamicCache, GenerationConfig, PreTrainedModel
+
+from ..models.contemplate import ContemplateAdapter, soft_prompt_mask
+from ..models.modeling_confu import ConFuDraftModel
+from ..utils.cache import cache_kwargs, growing_cache, truncate_cache
+from ..utils.masks import to_additive
+from .generation import (
+    SpeculativeStats,
+    TreeBudget,
+    _append,
+    _probs,
+    logits_warpers,
+    stopping_criteria,
+)
+from .tree import DraftTree, TreeDrafter, _pick
+from .verify import accept_greedy, accept_sampling
+
+
+@dataclass
+class BatchStats(SpeculativeStats):
+    """`SpeculativeStats` of a batched call: `accept_lengths` holds every row's rounds, `row_accept_lengths`
+    each row's own (its tau is their mean); `new_tokens` counts the real tokens of all rows (no padding);
+    `mode` is `"plain"` when the budget policy left the call to plain `generate`."""
+
+    row_accept_lengths: list[list[int]] = field(default_factory=list)
+
+
+def batch_budget(budget: TreeBudget, batch_size: int) -> TreeBudget | None:
+    """The `auto` tree budget for a batch: chains above batch 1, shorter as the batch grows, and plain decoding
+    (None) where speculation stops paying (measured on a 2-core CPU: results/batched_policy.md)."""
+    if batch_size == 1:
+        return budget
+    if batch_size > 8:
+        return None
+    return TreeBudget(depth=min(budget.depth, 2), top_k=1, total_tokens=min(budget.depth, 2) + 1)
+
+
+class RowCache:
+    """A key/value cache whose rows hold different numbers of entries: row b's are `[start[b], end[b])` (host
+    ints); entries past a row's end are stale and masked."""
+
+    def __init__(self, cache: Cache, start: list[int], end: list[int]) -> None:
+        self.cache, self.start, self.end = cache, start, end
+
+    @property
+    def width(self) -> int:
+        return self.cache.layers[0].keys.shape[-2]
+
+    def visible(self, device: torch.device) -> torch.Tensor:
+        """(B, width) bool: the cached keys each row sees."""
+        keys = torch.arange(self.width, device=device)
+        return (keys >= torch.tensor(self.start, device=device)[:, None]) & (keys < torch.tensor(self.end, device=device)[:, None])
+
+    def keep(self, base: int, paths: torch.Tensor, counts: list[int]) -> None:
+        """After a pass appended entries at `base`: move row b's `base + paths[b, :counts[b]]` down to its end
+        and drop the rest (`paths` (B, P), P at most the number of entries appended)."""
+        rows, width = paths.shape
+        source = (paths + base)[:, None, :, None]
+        ends = torch.tensor(self.end, device=paths.device)
+        dest = (ends[:, None] + torch.arange(width, device=paths.device))[:, None, :, None]
+        for layer in self.cache.layers:
+            for states in (layer.keys, layer.values):
+                shape = (rows, states.shape[1], width, states.shape[3])
+                states.scatter_(2, dest.expand(shape), states.gather(2, source.expand(shape)))
+        self.end = [end + count for end, count in zip(self.end, counts)]
+        truncate_cache(self.cache, max(self.end))
+
+    def select(self, rows: list[int]) -> None:
+        """Keep only these rows (in this order)."""
+        index = torch.tensor(rows, device=self.cache.layers[0].keys.device)
+        for layer in self.cache.layers:
+            layer.keys, layer.values = layer.keys[index], layer.values[index]
+        self.start, self.end = [self.start[r] for r in rows], [self.end[r] for r in rows]
+        truncate_cache(self.cache, max(self.end))
+
+
+class _BatchTarget:
+    """The target's passes over a left-padded batch: the prompt pass, then one pass over every row's tree (and,
+    with a `ContemplateAdapter`, its `[con]` tokens, which alone see the soft prompt's `offset` entries)."""
+
+    def __init__(self, model: PreTrainedModel, feature_layers: list[int], adapter: ContemplateAdapter | None,
+                 pads: list[int], reserve: int, con_logits: bool = False) -> None:
+        self.model, self.layers, self.adapter, self.con_logits = model, feature_layers, adapter, con_logits
+        cache = growing_cache(model.config, reserve)
+        self.offset = 0 if adapter is None else adapter.num_soft_tokens
+        if adapter is not None:
+            adapter.prefilled_cache(model, cache)
+            for layer in cache.layers:
+                layer.keys, layer.values = (s.expand(len(pads), -1, -1, -1).contiguous() for s in (layer.keys, layer.values))
+        self.rows = RowCache(cache, [self.offset + pad for pad in pads], [self.offset] * len(pads))
+        self.kwargs = cache_kwargs(model, cache)
+        self.base = 0
+
+    def _forward(self, keep: int | torch.Tensor, **inputs) -> tuple[torch.Tensor, torch.Tensor]:
+        out = self.model(**inputs, use_cache=True, output_hidden_states=True, logits_to_keep=keep, **self.kwargs)
+        return out.logits, torch.cat([out.hidden_states[i] for i in self.layers], dim=-1)
+
+    def prefill(self, ids: torch.LongTensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The prompt pass, positions numbered from each row's first real token: (B, V) logits at the last
+        position, (B, T, 3H) features."""
+        positions = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
+        mask = attention_mask
+        if self.adapter is not None:
+            n, real = ids.shape[1], attention_mask.bool()
+            causal = torch.ones(n, n, dtype=torch.bool, device=ids.device).tril()
+            visible = (causal & real[:, None, :]) | torch.eye(n, dtype=torch.bool, device=ids.device)
+            mask = soft_prompt_mask(visible, self.offset, real.new_zeros(real.shape), self.model.dtype)
+        logits, features = self._forward(1, input_ids=ids, position_ids=positions, attention_mask=mask)
+        self.rows.end = [self.offset + ids.shape[1]] * ids.shape[0]
+        return logits[:, -1], features
+
+    def tree(self, trees: list[DraftTree], lengths: torch.Tensor, cons: torch.Tensor | None,
+             states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """Verify row b's `trees[b]` (root at position `lengths[b]`) in one pass: (B, N, V) logits and (B, N, 3H)
+        features at the nodes; (B, M, 3H) features at the `[con]` tokens of nodes `cons` (B, M) (routed by
+        `states` (B, 3H)) and, with `con_logits`, their (B, M, V) logits."""
+        tokens = torch.stack([t.tokens for t in trees])
+        ancestry = torch.stack([t.ancestry for t in trees])
+        positions = lengths[:, None] + torch.stack([t.depths for t in trees])
+        (rows, n), self.base = tokens.shape, self.rows.width
+        prefix = self.rows.visible(tokens.device)
+        if self.adapter is None:
+            visible = torch.cat([prefix[:, None].expand(rows, n, self.base), ancestry], dim=-1)
+            logits, features = self._forward(n, input_ids=tokens, position_ids=positions,
+                                             attention_mask=to_additive(visible, self.model.dtype)[:, None])
+            return logits, features, None, None
+        m = cons.shape[1]
+        eye = torch.eye(m, dtype=torch.bool, device=tokens.device).expand(rows, m, m)
+        node_rows = torch.cat([ancestry, ancestry.new_zeros(rows, n, m)], dim=-1)
+        con_rows = torch.cat([ancestry.gather(1, cons[..., None].expand(rows, m, n)), eye], dim=-1)
+        visible = torch.cat([prefix[:, None].expand(rows, n + m, self.base), torch.cat([node_rows, con_rows], 1)], -1)
+        visible[:, n:, : self.offset] = True  # the soft prompt, seen by the [con] tokens only
+        con = self.adapter.con_embedding(states).to(self.model.dtype)[:, None].expand(rows, m, -1)
+        embeds = torch.cat([self.model.get_input_embeddings()(tokens), con], dim=1)
+        positions = torch.cat([positions, positions.gather(1, cons) + 1], dim=1)
+        keep = torch.arange(n + m if self.con_logits else n, device=tokens.device)
+        logits, features = self._forward(keep, inputs_embeds=embeds, position_ids=positions,
+                                         attention_mask=to_additive(visible, self.model.dtype)[:, None])
+        return (logits[:, :n], features[:, :n], features[:, n:],
+                logits[:, n:] if self.con_logits else None)
+
+    def keep(self, paths: torch.Tensor, counts: list[int]) -> None:
+        """Keep each row's accepted path of the last tree pass."""
+        self.rows.keep(self.base, paths, counts)
+
+
+class RowDrafters:
+    """One batch-1 `TreeDrafter` per row: any tree budget, and ConFu's `[f]` entries; the draft runs row by row."""
+
+    def __init__(self, drafters: list[TreeDrafter]) -> None:
+        self.drafters, self.d2t = drafters, drafters[0].d2t
+        self.draft = getattr(drafters[0], "draft", None)
+
+    def prefill(self, next_ids: torch.LongTensor, features: torch.Tensor, pads: list[int]) -> None:
+        for row, drafter in enumerate(self.drafters):
+            drafter.catch_up(next_ids[row : row + 1, pads[row]:], features[row : row + 1, pads[row]:],
+                             next_ids.shape[1] - pads[row])
+
+    def catch_up(self, next_ids: torch.LongTensor, features: torch.Tensor, lengths: list[int], counts: list[int],
+                 futures: list) -> None:
+        for row, drafter in enumerate(self.drafters):
+            drafter.catch_up(next_ids[row : row + 1], features[row : row + 1], lengths[row], futures[row], counts[row])
+
+    def propose(self, roots: torch.Tensor, lengths: list[int], priors: list) -> list[DraftTree]:
+        return [d.propose(roots[row], lengths[row], priors[row]) for row, d in enumerate(self.drafters)]
+
+    def select(self, rows: list[int]) -> None:
+        self.drafters = [self.drafters[r] for r in rows]
+
+
+class ChainDrafter:
+    """Chains (top_k = 1) for the whole batch: one draft forward per level for all rows, on a `RowCache`."""
+
+    def __init__(self, draft: ConFuDraftModel, depth: int, total_tokens: int, temperature: float | None) -> None:
+        if draft.config.has_future_entry:
+            raise ValueError("ChainDrafter drafts without [f] entries: use RowDrafters for this draft.")
+        self.draft, self.d2t, self.temperature = draft, draft.d2t, temperature
+        self.levels = min(depth, total_tokens - 1)
+        self.rows: RowCache | None = None
+        self.hidden: torch.Tensor | None = None
+
+    def _mask(self, prefix: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+        """(B, W) bool visible cached keys and (B, Q, K) bool visibility of the K entries since -> the additive mask."""
+        return to_additive(torch.cat([prefix[:, None].expand(-1, new.shape[1], -1), new], -1), self.hidden.dtype)[:, None]
+
+    def prefill(self, next_ids: torch.LongTensor, features: torch.Tensor, pads: list[int]) -> None:
+        rows, n = next_ids.shape
+        device, dtype = next_ids.device, self.draft.fc.weight.dtype
+        keys = torch.arange(n, device=device)
+        pad = torch.tensor(pads, device=device)[:, None]
+        visible = (keys[:, None] >= keys) & (keys >= pad)[:, None, :] | torch.eye(n, dtype=torch.bool, device=device)
+        cache = DynamicCache()
+        out = self.draft(next_ids, features.to(dtype), (keys - pad).clamp_min(0),
+                         to_additive(visible, dtype)[:, None], cache)
+        self.rows, self.hidden = RowCache(cache, list(pads), [n] * rows), out[:, -1:]
+
+    def catch_up(self, next_ids: torch.LongTensor, features: torch.Tensor, lengths: list[int], counts: list[int],
+                 futures: list) -> None:
+        """Feed each row's accepted tokens (B, P), of which row b's first `counts[b]` are real, with the target's
+        features at positions `lengths[b] - counts[b]` on."""
+        rows, size = next_ids.shape
+        device, base = next_ids.device, self.rows.width
+        count = torch.tensor(counts, device=device)
+        new = torch.ones(size, size, dtype=torch.bool, device=device).tril().expand(rows, size, size)
+        positions = (torch.tensor(lengths, device=device) - count)[:, None] + torch.arange(size, device=device)
+        out = self.draft(next_ids, features.to(self.hidden.dtype), positions, self._mask(self.rows.visible(device), new),
+                         self.rows.cache)
+        self.rows.keep(base, torch.arange(size, device=device).expand(rows, size), counts)
+        self.hidden = out.gather(1, (count - 1)[:, None, None].expand(rows, 1, out.shape[-1]))
+
+    def propose(self, roots: torch.Tensor, lengths: list[int], priors: list) -> list[DraftTree]:
+        """Draft a chain under each row's root (at position `lengths[b]`); `priors[b]` as `draft_tree`'s prior."""
+        rows, device = roots.numel(), roots.device
+        logits = self.draft.logits(self.hidden[:, 0]).float()
+        if any(p is not None for p in priors):
+            logits = logits + torch.stack([torch.zeros_like(logits[0]) if p is None else p for p in priors])
+        ids, logq, q = _pick(logits, 1, self.temperature)
+        drafted, scores, proposals = [ids], [logq], [q]
+        hidden, base, at = self.hidden, self.rows.width, torch.tensor(lengths, device=device)
+        prefix = self.rows.visible(device)
+        for level in range(1, self.levels):
+            new = torch.ones(rows, 1, level, dtype=torch.bool, device=device)  # the chain drafted so far
+            hidden = self.draft(self.d2t[ids], hidden, (at + level - 1)[:, None], self._mask(prefix, new),
+                                self.rows.cache)
+            ids, logq, q = _pick(self.draft.logits(hidden[:, 0]), 1, self.temperature)
+            drafted.append(ids)
+            scores.append(logq)
+            proposals.append(q)
+        truncate_cache(self.rows.cache, base)
+        return _chains(roots, self.d2t[torch.cat(drafted, 1)], torch.cat(scores, 1).cumsum(1),
+                       None if q is None else torch.stack(proposals, 1))
+
+    def select(self, rows: list[int]) -> None:
+        self.rows.select(rows)
+        self.hidden = self.hidden[torch.tensor(rows, device=self.hidden.device)]
+
+
+def _chains(roots: torch.Tensor, tokens: torch.Tensor, scores: torch.Tensor, proposals: torch.Tensor | None
+            ) -> list[DraftTree]:
+    """Per row, the chain `roots[b], tokens[b]` as a `DraftTree` (`scores` (B, L) cumulative, `proposals` (B, L, D)
+    the distributions each drafted token was drawn from)."""
+    n, device = tokens.shape[1] + 1, tokens.device
+    nodes = torch.arange(n, device=device)
+    parents = (nodes - 1).clamp_min(0)
+    ancestry = nodes[:, None] >= nodes
+    child_nodes = torch.cat([nodes[1:], nodes.new_full((1,), -1)])[:, None]
+    trees = []
+    for row in range(tokens.shape[0]):
+        path = torch.cat([roots[row].reshape(1), tokens[row]])
+        table = None if proposals is None else torch.cat([proposals[row], proposals.new_zeros(1, proposals.shape[-1])])
+        trees.append(DraftTree(path, parents, nodes, ancestry, torch.cat([path[1:], path.new_full((1,), -1)])[:, None],
+                               child_nodes, n - 1, table, torch.cat([scores.new_zeros(1), scores[row]])))
+    return trees
+
+
+@torch.no_grad()
+def batched_generate(
+    target: PreTrainedModel,
+    drafter: ChainDrafter | RowDrafters,
+    feature_layers: list[int],
+    input_ids: torch.LongTensor,
+    attention_mask: torch.Tensor,
+    config: GenerationConfig,
+    max_new_tokens: int,
+    stats: BatchStats,
+    tokenizer=None,
+    adapter: ContemplateAdapter | None = None,
+    contemplate_nodes: int | None = None,
+    future_logit_weight: float = 0.0,
+) -> torch.LongTensor:
+    """Generate up to `max_new_tokens` after each row of the left-padded `input_ids` (B, T); returns (B, T + new),
+    rows that end early padded with `pad_token_id` (or the first EOS id) as plain batched `generate` pads them.
+
+    Each round drafts every active row's tree, verifies them all in one target pass, accepts per row (one host
+    sync), keeps each row's accepted path in the caches and retires the rows that stopped. ConFu (`adapter`): as
+    in `speculative_generate`, per row.
+    """
+    start = time.perf_counter()
+    batch, prompt_len = input_ids.shape
+    criteria = stopping_criteria(config, prompt_len + max_new_tokens, tokenizer)
+    warpers = logits_warpers(config) if config.do_sample else None
+    mix = adapter is not None and future_logit_weight > 0
+    entry = adapter is not None and drafter.draft.config.has_future_entry
+    pads = (attention_mask == 0).sum(1).tolist()
+    verify = _BatchTarget(target, feature_layers, adapter, pads, max_new_tokens + 64, con_logits=mix)
+
+    t0 = time.perf_counter()
+    logits, features = verify.prefill(input_ids, attention_mask)
+    stats.verify_seconds += time.perf_counter() - t0
+    roots = logits.argmax(-1) if warpers is None else torch.multinomial(_probs(logits, warpers), 1)[:, 0]
+    drafter.prefill(torch.cat([input_ids[:, 1:], roots[:, None]], dim=1), features, pads)
+    states = features[:, -1]
+    rows = list(range(batch))  # the input row of each active row
+    lengths = [prompt_len - pad for pad in pads]  # each active row's real tokens: the position of its root
+    outputs = list(input_ids.cpu().split(1))
+    ends: dict[int, int] = {}  # input row -> output length where its stopping criteria fired
+    stats.row_accept_lengths = [[] for _ in range(batch)]
+    futures, priors = [None] * batch, [None] * batch
+    accepted = [[int(r)] for r in roots.tolist()]
+    next_ids = feats = counts = None
+    while True:
+        keep = _advance(rows, accepted, outputs, ends, criteria, config.eos_token_id is not None,
+                        prompt_len + max_new_tokens)
+        if not keep:
+            break
+        if len(keep) < len(rows):
+            index = torch.tensor(keep, device=input_ids.device)
+            rows, lengths = [rows[i] for i in keep], [lengths[i] for i in keep]
+            futures, priors = [futures[i] for i in keep], [priors[i] for i in keep]
+            roots, states = roots[index], states[index]
+            if next_ids is not None:
+                next_ids, feats, counts = next_ids[index], feats[index], [counts[i] for i in keep]
+            drafter.select(keep)
+            verify.rows.select(keep)
+        t0 = time.perf_counter()
+        if next_ids is not None:
+            drafter.catch_up(next_ids, feats, lengths, counts, futures)
+        trees = drafter.propose(roots, lengths, priors)
+        cons = None
+        if adapter is not None:
+            n = len(trees[0])
+            cons = torch.stack([t.likely_ends(n if contemplate_nodes is None else min(contemplate_nodes, n))
+                                for t in trees])
+        t1 = time.perf_counter()
+        at = torch.tensor(lengths, device=input_ids.device)
+        logits, features, con_features, con_logits = verify.tree(trees, at, cons, states)
+        t2 = time.perf_counter()
+        if warpers is None:
+            results = [accept_greedy(tree, logits[i]) for i, tree in enumerate(trees)]
+        else:
+            results = [accept_sampling(tree, _probs(logits[i], warpers), drafter.d2t) for i, tree in enumerate(trees)]
+        width = max(path.numel() for path, _, _ in results)  # rows' trees may differ in depth (padded with 0)
+        paths = torch.stack([torch.nn.functional.pad(path, (0, width - path.numel())) for path, _, _ in results])
+        sizes, roots = torch.stack([size for _, size, _ in results]), torch.stack([root for _, _, root in results])
+        lasts = paths.gather(1, (sizes - 1)[:, None])
+        tokens = torch.stack([t.tokens for t in trees])
+        next_ids = torch.cat([tokens.gather(1, paths[:, 1:]), roots[:, None]], 1).scatter(1, sizes[:, None] - 1,
+                                                                                         roots[:, None])
+        hits = None if cons is None else cons == lasts  # each row's [con] of its last accepted node, if it had one
+        fresh = torch.zeros_like(sizes) if hits is None else hits.any(1).long()
+        read = torch.cat([sizes[:, None], fresh[:, None], next_ids], 1).tolist()  # the round's one host sync
+        counts = [r[0] for r in read]
+        verify.keep(paths, counts)
+        priors = [None] * len(rows)
+        for i, r in enumerate(read):
+            if r[1]:
+                slot = hits[i].int().argmax()
+                if entry:
+                    futures[i] = (con_features[i, slot], lengths[i] + counts[i] - 1)
+                if mix:
+                    priors[i] = future_logit_weight * con_logits[i, slot, drafter.d2t].float().log_softmax(-1)
+                stats.fresh_futures += 1
+            stats.row_accept_lengths[rows[i]].append(counts[i])
+        accepted = [r[2 : 2 + r[0]] for r in read]
+        stats.draft_seconds += t1 - t0
+        stats.verify_seconds += t2 - t1
+        stats.target_forwards += 1
+        stats.accept_lengths.extend(counts)
+        feats = features.gather(1, paths[..., None].expand(-1, -1, features.shape[-1]))
+        states = features[torch.arange(len(rows), device=features.device), lasts[:, 0]]
+        lengths = [length + count for length, count in zip(lengths, counts)]
+    output, real = _padded(outputs, ends, config)
+    stats.new_tokens = real - batch * prompt_len
+    stats.total_seconds = time.perf_counter() - start
+    return output.to(input_ids.device)
+
+
+def _advance(rows: list[int], accepted: list[list[int]], outputs: list[torch.Tensor], ends: dict[int, int],
+             criteria, pads_after_end: bool, max_length: int) -> list[int]:
+    """Append each active row's accepted tokens; return the active rows (indices into `rows`) still to decode.
+
+    A row whose stopping criteria fire is done: with an EOS criterion (`pads_after_end`) plain `generate` pads
+    it from there, so it leaves the batch; without one plain `generate` keeps decoding it until every row is
+    done, so it stays until the batch's end is known and reached."""
+    for row, tokens in zip(rows, accepted):
+        if row in ends:  # done, no EOS criterion: tokens as plain generate keeps producing them
+            outputs[row] = torch.cat([outputs[row], torch.tensor([tokens])], dim=1)[:, :max_length]
+            continue
+        outputs[row], stopped = _append(outputs[row], tokens, criteria, None)
+        if stopped:
+            ends[row] = outputs[row].shape[1]
+    end = max(ends.values()) if len(ends) == len(outputs) else max_length
+    return [i for i, row in enumerate(rows)
+            if not (row in ends and pads_after_end) and outputs[row].shape[1] < end]
+
+
+def _padded(outputs: list[torch.Tensor], ends: dict[int, int], config: GenerationConfig
+            ) -> tuple[torch.LongTensor, int]:
+    """The rows cut at the batch's end (the last row's) and, with an EOS criterion, padded past their own ends as
+    `generate` pads them; and the number of real tokens in them."""
+    length, pad = max(ends.values()), _pad_id(config)
+    result = outputs[0].new_full((len(outputs), length), 0 if pad is None else pad)
+    real = [length if pad is None else ends[row] for row in range(len(outputs))]
+    for row, out in enumerate(outputs):
+        result[row, : real[row]] = out[0, : real[row]]
+    return result, sum(real)
+
+
+def generate_batch(assistant, target: PreTrainedModel, input_ids: torch.LongTensor,
+                   attention_mask: torch.Tensor | None, config: GenerationConfig, budget: TreeBudget | None,
+                   max_new_tokens: int, tokenizer=None, streamer=None, contemplate_nodes: int | None = None,
+                   future_logit_weight: float = 0.0) -> torch.LongTensor:
+    """`ConFuAssistant.generate` for a batch (or a left-padded prompt): checks the inputs, picks the budget
+    (`budget` None: `batch_budget`'s choice), then runs `batched_generate`, or plain `generate` where the policy
+    says speculation does not pay. Sets `assistant.stats` (a `BatchStats`)."""
+    batch = input_ids.shape[0]
+    if streamer is not None:
+        raise ValueError("A streamer supports batch size 1 only (as in transformers): generate one prompt at a time "
+                         "to stream it.")
+    if config.cache_implementation == "static":
+        raise ValueError(f"cache_implementation='static' with a ConFu assistant supports batch size 1 only (got "
+                         f"{batch} rows): leave cache_implementation unset for batches (the eager loop).")
+    layer_types = getattr(target.config, "layer_types", None) or []
+    if any(kind != "full_attention" for kind in layer_types):
+        raise ValueError("Batched speculative decoding supports full-attention targets only; this one has layer "
+                         f"types {sorted(set(layer_types))}: generate one prompt at a time.")
+    mask = _left_padding_mask(input_ids, attention_mask, config)
+    stats = assistant.stats = BatchStats()
+    budget = batch_budget(assistant.budget, batch) if budget is None else budget
+    if budget is None:
+        start = time.perf_counter()
+        output = type(target).generate(target, input_ids, attention_mask=mask, generation_config=config,
+                                       tokenizer=tokenizer)
+        stats.mode, stats.total_seconds = "plain", time.perf_counter() - start
+        stats.new_tokens = int(real_lengths(output[:, input_ids.shape[1]:], _eos_ids(config)).sum())
+        return output
+    draft, temperature = assistant.draft, (config.temperature or 1.0) if config.do_sample else None
+    if budget.top_k == 1 and not draft.config.has_future_entry:
+        drafter = ChainDrafter(draft, budget.depth, budget.total_tokens, temperature)
+    else:
+        drafter = RowDrafters([TreeDrafter(draft, budget.depth, budget.top_k, budget.total_tokens, temperature)
+                               for _ in range(batch)])
+    return batched_generate(target, drafter, draft.config.feature_layers, input_ids, mask, config, max_new_tokens,
+                            stats, tokenizer, assistant.adapter, contemplate_nodes, future_logit_weight)
+
+
+def real_lengths(new: torch.LongTensor, eos_ids: list[int]) -> torch.LongTensor:
+    """(B,) the real tokens of each row of a batch's (B, N) new tokens: up to its first EOS (included); the
+    rest is padding."""
+    ends = torch.isin(new, torch.tensor(eos_ids, dtype=new.dtype, device=new.device)).int()
+    return (ends.cumsum(1) - ends == 0).sum(1)
+
+
+def _eos_ids(config: GenerationConfig) -> list[int]:
+    eos = config.eos_token_id
+    return [] if eos is None else list(eos) if isinstance(eos, (list, tuple)) else [eos]
+
+
+def _pad_id(config: GenerationConfig) -> int | None:
+    """The id `generate` pads finished rows with (None: rows never finish early): `pad_token_id`, else the first
+    EOS id; None without an EOS id."""
+    eos = _eos_ids(config)
+    if not eos:
+        return None
+    return config.pad_token_id if config.pad_token_id is not None else eos[0]
+
+
+def _left_padding_mask(input_ids: torch.LongTensor, mask: torch.Tensor | None, config: GenerationConfig
+                       ) -> torch.Tensor:
+    """The attention mask of a left-padded batch (all ones if none was given), with clear errors for what the
+    batched loop does not take: right padding, holes, empty rows, a missing mask on a padded batch."""
+    if mask is None:
+        pad = config.pad_token_id
+        if pad is not None and pad not in _eos_ids(config) and bool((input_ids == pad).any()):
+            raise ValueError("The batch holds pad tokens but no attention_mask was given: pass the tokenizer's "
+                             "attention_mask (padding_side='left').")
+        return torch.ones_like(input_ids)
+    if mask.shape != input_ids.shape:
+        raise ValueError(f"attention_mask has shape {tuple(mask.shape)}, input_ids {tuple(input_ids.shape)}.")
+    mask = mask.long()
+    if bool((mask[:, 1:] < mask[:, :-1]).any()):
+        raise ValueError("Right padding (or a hole in attention_mask) is not supported with a ConFu assistant: pad "
+                         "on the left (tokenizer.padding_side = 'left'), as batched generate needs anyway.")
+    if not bool(mask[:, -1].all()):
+        raise ValueError("A row of attention_mask is all padding: every prompt needs at least one token.")
+    return mask
+
+
+def is_batch(input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None) -> bool:
+    """Whether a call needs the batched loop: several rows, or a (left-)padded one."""
+    if input_ids is None or input_ids.ndim != 2:
+        return False
+    return input_ids.shape[0] > 1 or (attention_mask is not None and not bool(attention_mask.all()))
