@@ -26,6 +26,7 @@ from tqdm.auto import tqdm
 from ..decoding.assistant import ConFuAssistant
 from ..models.target import DEFAULT_DRAFT, DEFAULT_TARGET, load_target
 from ..utils.packed_linear import packed_kernels
+from .batch_bench import batch_methods, run_batches
 from .quality import quality_check, quality_markdown
 from .questions import (
     DEFAULT_QUESTIONS,
@@ -207,7 +208,9 @@ def markdown(table: dict, meta: dict) -> str:
     categories = [c for c in next(iter(table.values())) if c != "overall"] + ["overall"]
     lines = [f"# confu-bench: {meta['target']}, {meta['hardware']}", "",
              f"{meta['questions']} questions from `{meta['question_file']}`, max {meta['max_new_tokens']} new tokens, "
-             f"temperature {meta['temperature']}, seed {meta['seed']}.", "", f"Command: `{meta['command']}`", "",
+             f"temperature {meta['temperature']}, seed {meta['seed']}" + (
+                 f", in batches of {meta['batch_size']} first turns (left-padded; tokens/s over the batch, tau per row)"
+                 if meta.get("batch_size", 1) > 1 else "") + ".", "", f"Command: `{meta['command']}`", "",
              "tau: tokens per target pass (n/a where transformers does not report it).", "",
              "## Overall", "", "| method | tau | tokens/s | speed-up | identical to generate |", "|---|---|---|---|---|"]
     for name, cells in table.items():
@@ -322,6 +325,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="a smaller same-tokenizer model (folder or Hub id) for transformers' assisted decoding")
     p.add_argument("--prompt-lookup", type=int, default=10, help="prompt-lookup tokens (0 = leave it out)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--batch-size", type=int, default=1,
+                   help="B > 1: first turns B at a time (left-padded batches), plain batched generate as the reference "
+                        "and each draft with its auto batch budget and each --trees budget; tokens/s over the batch, "
+                        "tau per row")
     p.add_argument("--kernels", choices=["onednn", "mkl"], default="onednn",
                    help="CPU linear layers: onednn (packed weights, what load_target gives) or mkl (plain F.linear)")
     p.add_argument("--out", default="results/bench", help="output path prefix (.md, .json, .png, answers/)")
@@ -364,17 +371,22 @@ def _main(args: argparse.Namespace, argv) -> dict:
     loops = tuple(x.strip() for x in args.loops.split(","))
     if not set(loops) <= {"eager", "static"}:
         raise SystemExit(f"--loops {args.loops!r}: choose among eager, static.")
-    methods = build_methods(model, args.drafts, trees, sampling, args.prompt_lookup, nodes, assistant_model,
-                            args.static_baseline, loops, static_options(args.compile))
-    records, mismatches, warmup = run_bench(model, tokenizer, methods, questions, args.max_new_tokens, args.seed,
-                                            greedy)
+    if args.batch_size > 1:
+        methods = batch_methods(model, args.drafts, trees, sampling)
+        records, mismatches, warmup = run_batches(model, tokenizer, methods, questions, args.max_new_tokens,
+                                                  args.seed, greedy, args.batch_size, divergence)
+    else:
+        methods = build_methods(model, args.drafts, trees, sampling, args.prompt_lookup, nodes, assistant_model,
+                                args.static_baseline, loops, static_options(args.compile))
+        records, mismatches, warmup = run_bench(model, tokenizer, methods, questions, args.max_new_tokens, args.seed,
+                                                greedy)
     table = summarize(records, greedy, mismatches)
     meta = dict(target=args.target, hardware=f"{platform.machine()} CPU, {torch.get_num_threads()} threads, "
                 f"{args.kernels} linear kernels"
                 if model.device.type == "cpu" else torch.cuda.get_device_name(model.device), dtype=dtype,
                 questions=len(questions),
                 question_file=args.questions or PACKAGED_QUESTIONS, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                seed=args.seed, loops=args.loops, compile=args.compile, command="confu-bench " + " ".join(argv if argv is not None else sys.argv[1:]))
+                seed=args.seed, batch_size=args.batch_size, loops=args.loops, compile=args.compile, command="confu-bench " + " ".join(argv if argv is not None else sys.argv[1:]))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     answers = out.parent / f"{out.name}_answers"
