@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from transformers import default_data_collator
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path[:0] = [str(Path(__file__).parent), str(Path(__file__).parents[1])]  # this folder and conftest.py
 from test_trainer import tiny_dataset  # noqa: E402
 from test_ttt import tiny_draft, tiny_target  # noqa: E402
 

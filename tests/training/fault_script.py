@@ -6,7 +6,7 @@
 
 Training points: `step:K` (after step K), `save-weights:K` (checkpoint-K's model.safetensors half written),
 `save-rename:K` (checkpoint-K complete in its staging folder, not renamed yet), `final` (final/'s
-model.safetensors half written). Regeneration points: `batch:K` (before decoding batch K), `write:K`
+model.safetensors half written). Regeneration points: `answer:K` (the K-th answer of this run made, not written), `write:K`
 (this run's K-th record half written to disk, the ones before it flushed). Target point: `write` (the
 de-quantized copy's model.safetensors half written; the tiny target stands in for the GGUF). Exits with 1
 if the point is never reached.
@@ -27,7 +27,7 @@ REGENERATION = dict(batch_size=2, max_new_tokens=4, temperature=0.7, seed=3)
 
 
 def regeneration_dataset() -> datasets.Dataset:
-    """Eight one-turn prompts (four batches of two)."""
+    """Eight one-turn prompts."""
     return datasets.Dataset.from_list([{"messages": [{"role": "user", "content": p}], "source": "test"}
                                        for p in PROMPTS])
 
@@ -118,16 +118,16 @@ def regenerate(point: str, target: str, directory: str) -> None:
 
     kind, _, k = point.partition(":")
     count = int(k)
-    if kind == "batch":
-        generate, calls = module.generate_answers, []
+    if kind == "answer":
+        stream = module.stream_answers
 
-        def generate_or_die(*args, **kwargs):
-            calls.append(1)
-            if len(calls) == count:
-                die()
-            return generate(*args, **kwargs)
+        def stream_or_die(*args, **kwargs):
+            for number, answer in enumerate(stream(*args, **kwargs), start=1):
+                if number == count:
+                    die()
+                yield answer
 
-        module.generate_answers = generate_or_die
+        module.stream_answers = stream_or_die
     else:
         open_path = Path.open
 

@@ -285,20 +285,22 @@ REGEN_CONVS = [
 ]
 
 
-def test_regenerate_responses_resumes_and_matches_one_run(tokenizer, tmp_path):
+def test_regenerate_responses_resumes_and_matches_one_run(tokenizer, tmp_path, monkeypatch):
+    from transformers_confu.training import regenerate
+
     model = _tiny_chat_model(tokenizer)
     calls = []
-    generate = model.generate
+    stream = regenerate.stream_answers
 
-    def counting_generate(*args, **kwargs):
-        calls.append(kwargs["input_ids"].shape[0])
-        assert (kwargs["attention_mask"][:, -1] == 1).all()  # left padding
-        return generate(*args, **kwargs)
+    def counting_stream(model, prompts, *args, **kwargs):
+        answers = list(stream(model, prompts, *args, **kwargs))
+        calls.append(len(answers))
+        return iter(answers)
 
-    model.generate = counting_generate
+    monkeypatch.setattr(regenerate, "stream_answers", counting_stream)
     ds = _dataset(REGEN_CONVS)
     first = regenerate_responses(ds, model, tokenizer, tmp_path / "a", batch_size=2, max_new_tokens=3, max_minutes=0)
-    assert len(first) == 0 and calls == []  # time box of 0: nothing answered, nothing lost
+    assert len(first) == 0 and calls == [0]  # time box of 0: nothing answered, nothing lost
     kept = regenerate_responses(ds, model, tokenizer, tmp_path / "a", max_new_tokens=3, max_minutes=0,
                                 keep_unanswered=True)
     assert [row["messages"] for row in kept] == [c for c in REGEN_CONVS if c[-1]["role"] == "assistant"]
@@ -315,8 +317,8 @@ def test_regenerate_responses_resumes_and_matches_one_run(tokenizer, tmp_path):
     assert stats["rows"] == 5 and stats["new_tokens"] > 0 and stats["tokens_per_second"] > 0
     calls.clear()
     regenerate_responses(ds, model, tokenizer, tmp_path / "a", batch_size=2, max_new_tokens=3)
-    assert calls == []
-    model.generate = generate
+    assert calls == [0]
+    monkeypatch.undo()
     # One uninterrupted run gives the same records.
     once = regenerate_responses(ds, model, tokenizer, tmp_path / "b", batch_size=2, max_new_tokens=3)
     assert once.to_list() == full.to_list()

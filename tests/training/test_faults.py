@@ -174,9 +174,9 @@ def test_killed_regeneration_gives_the_records_of_one_run(tmp_path):
     run = tmp_path / "run"
     answers = run / RESPONSES_FILE
 
-    run_until_killed("regenerate", "batch:3", tmp_path / "target", run)  # before the third of four batches
+    run_until_killed("regenerate", "answer:5", tmp_path / "target", run)  # four answers written, the fifth made
     assert len(read_responses(answers)) == 4
-    run_until_killed("regenerate", "write:4", tmp_path / "target", run)  # third batch done, fourth half written
+    run_until_killed("regenerate", "write:4", tmp_path / "target", run)  # three more written, the fourth half
     assert not answers.read_text().endswith("\n")  # a torn last line
     assert len(read_responses(answers)) == 7
 

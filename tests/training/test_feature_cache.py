@@ -71,7 +71,7 @@ def test_torn_shard_is_rebuilt_with_a_warning(tmp_path, caplog, damage):
 def test_killed_cache_build_resumes_to_the_same_cache(tmp_path):
     """SIGKILL inside the second shard's computation (in a subprocess); the rerun gives the uninterrupted cache."""
     script = (
-        "import os, signal, sys; sys.path.insert(0, sys.argv[1])\n"
+        "import os, signal, sys; sys.path[:0] = [sys.argv[1], os.path.dirname(sys.argv[1])]\n"
         "import transformers_confu.training.feature_cache as fc\n"
         "from test_feature_cache import tiny_rows, tiny_target\n"
         "compute, calls = fc._compute, []\n"

@@ -19,7 +19,7 @@ _STRING = datasets.Value("string")
 FEATURES = datasets.Features({"messages": [{"role": _STRING, "content": _STRING}], "source": _STRING})
 BUILDERS = {".jsonl": "text", ".json": "json", ".parquet": "parquet"}  # .jsonl is read line by line
 HOW_TO_PASS = ("pass training data: --data FILE_OR_HUB_ID [...] (.jsonl, .json or .parquet files, folders of "
-               "them, or Hub data set ids such as org/name or org/name:split), or --data-dir FOLDER")
+               "them, data set folders, or Hub data set ids such as org/name or org/name:split), or --data-dir FOLDER")
 
 
 def find_sources(data: Sequence[str] | None = None, data_dir: str | None = None,
@@ -31,7 +31,7 @@ def find_sources(data: Sequence[str] | None = None, data_dir: str | None = None,
         matches = sorted(glob.glob(item)) if glob.has_magic(item) else [item]
         if not matches:
             raise FileNotFoundError(f"No file matches {item!r}.")
-        sources += [s for m in matches for s in (_folder_files(Path(m)) if Path(m).is_dir() else [m])]
+        sources += [s for m in matches for s in (_folder_files(Path(m)) if _plain_folder(Path(m)) else [m])]
     if data_dir is not None:
         folder = Path(data_dir)
         if not folder.is_dir():
@@ -53,8 +53,8 @@ def find_sources(data: Sequence[str] | None = None, data_dir: str | None = None,
 def load_conversations(sources: Sequence[str], on_error: str = "skip") -> datasets.Dataset:
     """Conversations (columns `messages`, `source`) from every source, in order.
 
-    A source is a local .jsonl / .json / .parquet file or a Hub data set id (`org/name`, or `org/name:split`,
-    default split "train"). Rows in an unknown layout or with bad fields, and unreadable .jsonl lines, are
+    A source is a local .jsonl / .json / .parquet file, a local data set folder (a card and parquet shards,
+    such as the answers dataset) or a Hub data set id (`org/name`, or `org/name:split`, default split "train"). Rows in an unknown layout or with bad fields, and unreadable .jsonl lines, are
     logged with file and line (or row) and skipped (`on_error="skip"`), or raise a `ValueError` (`"raise"`)."""
     if on_error not in ("skip", "raise"):
         raise ValueError(f"on_error must be 'skip' or 'raise', not {on_error!r}")
@@ -62,7 +62,7 @@ def load_conversations(sources: Sequence[str], on_error: str = "skip") -> datase
         raise ValueError(f"No training data given: {HOW_TO_PASS}.")
     records = []
     for source in sources:
-        name = Path(source).name if Path(source).is_file() else source
+        name = Path(source).name if Path(source).exists() else source
         loaded, skipped = 0, 0
         for location, row in _rows(source):
             try:
@@ -80,6 +80,12 @@ def load_conversations(sources: Sequence[str], on_error: str = "skip") -> datase
         logger.log(logging.WARNING if skipped else logging.INFO,
                    "%s: %d conversations loaded, %d malformed rows skipped", name, loaded, skipped)
     return datasets.Dataset.from_list(records, features=FEATURES)
+
+
+def _plain_folder(path: Path) -> bool:
+    """A folder of data files, read file by file (not a data set folder: a README.md card and data/*.parquet
+    shards, as `answers_dataset` writes, which `datasets.load_dataset` reads as one source)."""
+    return path.is_dir() and not ((path / "README.md").is_file() and any((path / "data").glob("*.parquet")))
 
 
 def _folder_files(folder: Path) -> list[str]:

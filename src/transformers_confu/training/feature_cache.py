@@ -24,7 +24,7 @@ from tqdm.auto import tqdm
 
 from ..utils.atomic import pin_settings
 from .data import DataCollatorForDraft
-from .regenerate import target_fingerprint
+from .regenerate import migrate_fingerprint, target_fingerprint
 from .ttt import target_argmax, target_hidden
 
 logger = logging.getLogger(__name__)
@@ -90,6 +90,7 @@ def build_feature_cache(
     directory = Path(directory)
     settings = {"target": target_fingerprint(target), "feature_layers": list(feature_layers),
                 "data": _data_key(dataset), "rows": len(dataset), "dtype": dtype, "shard_rows": shard_rows}
+    migrate_fingerprint(directory, settings["target"])
     pin_settings(directory, settings, f"The feature cache in {directory} was built for something else",
                  "Pass another --feature-cache directory, or delete this one to rebuild it.")
     hidden = target.config.hidden_size

@@ -16,6 +16,7 @@ import gc
 import json
 import logging
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -27,6 +28,7 @@ from ..models.contemplate import ADAPTER_FOLDER, ContemplateAdapter
 from ..models.modeling_confu import ConFuDraftModel
 from ..models.target import DEFAULT_TARGET, hub_name, load_target, tokenizer_path
 from ..utils.atomic import atomic_dir
+from .answers_dataset import dataset_answers
 from .data import (
     DataCollatorForDraft,
     build_draft_vocab,
@@ -35,7 +37,7 @@ from .data import (
 )
 from .data_sources import HOW_TO_PASS, find_sources, load_conversations
 from .feature_cache import build_feature_cache
-from .regenerate import regenerate_responses
+from .regenerate import regenerate_responses, regeneration_settings
 from .trainer import ConFuTrainer
 from .training_args import ConFuTrainingArguments
 
@@ -65,6 +67,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--regenerate-minutes", type=float, default=None,
                    help="time box of the regeneration; train on what is answered by then (rerun to answer more)")
     p.add_argument("--regenerate-only", action="store_true", help="stop after the regeneration")
+    p.add_argument("--regenerate-reuse", default=None,
+                   help="an answers dataset folder (answers_dataset) made with the same settings: its answers are "
+                        "used and not made again")
     p.add_argument("--keep-reference", action="store_true",
                    help="with --regenerate: rows not regenerated yet keep their reference answer (else they are left out)")
     p.add_argument("--regenerate-batch-size", type=int, default=64)
@@ -133,11 +138,17 @@ def build_dataset(args: argparse.Namespace, target, tokenizer):
     if args.max_samples:
         conversations = conversations.select(range(min(args.max_samples, len(conversations))))
     if args.regenerate:
+        answered = None
+        if args.regenerate_reuse:
+            settings = regeneration_settings(target, args.regenerate_max_new_tokens, args.regenerate_temperature,
+                                             seed=args.seed)
+            answered = dataset_answers(args.regenerate_reuse, asdict(settings))
         conversations = regenerate_responses(
             conversations, target, tokenizer, args.regenerate_dir or Path(args.output_dir) / "regenerated",
             batch_size=args.regenerate_batch_size, max_new_tokens=args.regenerate_max_new_tokens,
             temperature=args.regenerate_temperature, max_prompt_tokens=args.max_length - 64,
             max_minutes=args.regenerate_minutes, seed=args.seed, keep_unanswered=args.keep_reference,
+            answered=answered,
         )
     return tokenize_conversations(conversations, tokenizer, max_length=args.max_length)
 

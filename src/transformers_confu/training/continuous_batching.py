@@ -1,0 +1,171 @@
+"""Answers to many prompts from one batch whose finished rows are refilled with new prompts (continuous batching).
+
+`generate` on a left-padded batch decodes until its longest answer ends: when most answers end after ~40
+tokens and a few run to the limit, most of its work is on rows that are done. Here a row that ends is
+handed back at once and its place in the batch and in the KV cache goes to the next prompt. Waiting prompts
+are prefilled in groups, as a left-padded batch of their own, and their keys and values are written
+right-aligned into the rows they take, so that every row's next token goes to the same cache position.
+Each row keeps its own positions and attention mask, so a row's answer is the one `generate` gives for its
+prompt alone (up to the float rounding of batched matrix products). Cache positions that no row sees any
+more are cut off its left end from time to time.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+
+import torch
+from transformers.cache_utils import DynamicCache, DynamicLayer
+
+from ..utils.cache import cache_kwargs, growing_cache
+
+
+class _Batch:
+    """The running batch: the KV cache, which cache positions each row sees, each row's next position and
+    last token, and the prompt index each row answers (None: a free row, waiting for a prompt)."""
+
+    def __init__(self, cache: DynamicCache, mask: torch.Tensor, prompts: list[int]):
+        self.cache, self.mask, self.prompts = cache, mask, prompts
+        self.positions = mask.sum(dim=1)
+        self.last = torch.zeros(len(prompts), dtype=torch.long)
+        self.tokens: list[list[int]] = [[] for _ in prompts]
+
+    def layers(self) -> list[DynamicLayer]:
+        return self.cache.layers
+
+    def place(self, rows: list[int], cache: DynamicCache, mask: torch.Tensor, prompts: list[int]) -> None:
+        """Put prefilled prompts (`cache`, `mask`: their own left-padded batch) into the free `rows`."""
+        width, extra = self.mask.shape[1], mask.shape[1] - self.mask.shape[1]
+        if extra > 0:  # the new prompts are longer than every running row: widen the cache on the left
+            self._keep(torch.arange(len(self.prompts)), -extra)
+            width = mask.shape[1]
+        index = torch.tensor(rows)
+        for layer, new in zip(self.layers(), cache.layers):
+            layer.keys[index, :, width - new.keys.shape[-2]:] = new.keys
+            layer.values[index, :, width - new.values.shape[-2]:] = new.values
+        self.mask[index] = False
+        self.mask[index, width - mask.shape[1]:] = mask
+        self.positions[index] = mask.sum(dim=1)
+        for row, prompt in zip(rows, prompts):
+            self.prompts[row], self.tokens[row] = prompt, []
+
+    def _keep(self, rows: torch.Tensor, start: int) -> None:
+        """Keep only `rows` and the cache positions from `start` on (a negative `start` pads on the left)."""
+        for layer in self.layers():
+            for name in ("keys", "values"):
+                tensor = getattr(layer, name).index_select(0, rows)
+                if start < 0:
+                    tensor = torch.cat([tensor.new_zeros((*tensor.shape[:2], -start, tensor.shape[3])), tensor], dim=2)
+                setattr(layer, name, tensor[:, :, max(start, 0):].contiguous())
+        mask = self.mask.index_select(0, rows)
+        self.mask = torch.cat([mask.new_zeros((len(rows), -start)), mask], 1) if start < 0 else mask[:, start:]
+        self.positions, self.last = self.positions[rows], self.last[rows]
+        self.prompts = [self.prompts[r] for r in rows.tolist()]
+        self.tokens = [self.tokens[r] for r in rows.tolist()]
+
+    def shrink(self, drop_free_rows: bool) -> None:
+        """Drop the cache positions that no running row sees once they are an eighth of the cache or more,
+        and (with `drop_free_rows`) the free rows once they are half of the batch or more: each is a copy of
+        the cache, so it is not done at every step."""
+        running = [r for r, p in enumerate(self.prompts) if p is not None]
+        if not running:
+            return
+        start = int(self.mask[running].any(dim=0).nonzero()[0])
+        drop_rows = drop_free_rows and 2 * len(running) <= len(self.prompts)
+        cut = start >= max(32, self.mask.shape[1] // 8)
+        if drop_rows or cut:
+            self._keep(torch.tensor(running if drop_rows else list(range(len(self.prompts)))), start if cut else 0)
+
+
+def _prefill(model, prompts: list[Sequence[int]], pad_token_id: int, cache: DynamicCache):
+    """Run left-padded prompts through `model` into `cache`; return their mask and last-position logits."""
+    width = max(len(p) for p in prompts)
+    input_ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.bool)
+    for row, ids in enumerate(prompts):
+        input_ids[row, width - len(ids):] = torch.as_tensor(ids, dtype=torch.long)
+        mask[row, width - len(ids):] = True
+    positions = (mask.long().cumsum(-1) - 1).clamp(min=0)  # as `generate` numbers left-padded rows
+    device = model.device
+    logits = model(input_ids=input_ids.to(device), attention_mask=mask.to(device), position_ids=positions.to(device),
+                   use_cache=True, logits_to_keep=1, **cache_kwargs(model, cache)).logits[:, -1]
+    return mask, logits
+
+
+def next_tokens(logits: torch.Tensor, temperature: float, top_p: float,
+                generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+    """Greedy tokens (`temperature` 0), or tokens sampled at `temperature` from the `top_p` nucleus, one
+    generator per row (so that a row's sample does not depend on the other rows of the batch)."""
+    if temperature <= 0:
+        return logits.argmax(dim=-1).cpu()
+    probs = torch.softmax(logits.float() / temperature, dim=-1).cpu()
+    if top_p < 1.0:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        outside = sorted_probs.cumsum(dim=-1) - sorted_probs > top_p  # the most likely token always stays
+        probs = probs.scatter(-1, order, sorted_probs.masked_fill(outside, 0.0))
+    return torch.stack([torch.multinomial(p, 1, generator=g)[0] for p, g in zip(probs, generators)])
+
+
+@torch.no_grad()
+def stream_answers(
+    model,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    eos_token_ids: Sequence[int],
+    batch_size: int = 64,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    seeds: Sequence[int] | None = None,
+    refill_rows: int | None = None,
+    pad_token_id: int = 0,
+    stop: Callable[[], bool] | None = None,
+) -> Iterator[tuple[int, list[int], bool]]:
+    """Yield `(prompt index, new token ids, ended with an EOS token)` for each of `prompts` (token ids), as
+    their answers end, decoding at most `batch_size` rows at a time. Waiting prompts are prefilled once
+    `refill_rows` rows (default: an eighth of the batch) are free. Sampled rows (`temperature` > 0) use a
+    generator seeded with `seeds[i]` for prompt i. Once `stop()` is true no more prompts are started; the
+    running ones are finished."""
+    if any(type(layer) is not DynamicLayer for layer in DynamicCache(config=model.config).layers):
+        raise ValueError("continuous batching needs a model whose layers all attend to the full context")
+    if temperature > 0 and (seeds is None or len(seeds) != len(prompts)):
+        raise ValueError("sampling needs one seed per prompt")
+    eos = set(eos_token_ids)
+    refill_rows = refill_rows or max(1, batch_size // 8)
+    waiting, batch = deque(range(len(prompts))), None
+    generators: dict[int, torch.Generator] = {}
+    while True:
+        free = [r for r, p in enumerate(batch.prompts) if p is None] if batch else []
+        if waiting and not (stop and stop()) and (batch is None or len(free) >= min(refill_rows, len(waiting))):
+            taken = [waiting.popleft() for _ in range(min(len(free) if batch else batch_size, len(waiting)))]
+            cache = growing_cache(model.config, reserve=max_new_tokens) if batch is None else DynamicCache(config=model.config)
+            mask, logits = _prefill(model, [prompts[i] for i in taken], pad_token_id, cache)
+            if temperature > 0:
+                generators.update({i: torch.Generator().manual_seed(int(seeds[i])) for i in taken})
+            first = next_tokens(logits, temperature, top_p, [generators.get(i) for i in taken])
+            if batch is None:
+                batch = _Batch(cache, mask, taken)
+                rows = list(range(len(taken)))
+            else:
+                rows = free[: len(taken)]
+                batch.place(rows, cache, mask, taken)
+            batch.last[rows] = first
+        elif batch is None or all(p is None for p in batch.prompts):
+            return
+        else:
+            step_mask = torch.cat([batch.mask, batch.mask.new_ones((len(batch.prompts), 1))], dim=1)
+            logits = model(input_ids=batch.last[:, None].to(model.device), attention_mask=step_mask.to(model.device),
+                           position_ids=batch.positions[:, None].to(model.device), use_cache=True, logits_to_keep=1,
+                           **cache_kwargs(model, batch.cache)).logits[:, -1]
+            batch.mask, batch.positions = step_mask, batch.positions + 1
+            batch.last = next_tokens(logits, temperature, top_p, [generators.get(p) for p in batch.prompts])
+            rows = [r for r, p in enumerate(batch.prompts) if p is not None]
+        for row in rows:
+            token = int(batch.last[row])
+            batch.tokens[row].append(token)
+            ended = token in eos
+            if ended or len(batch.tokens[row]) >= max_new_tokens:
+                yield batch.prompts[row], batch.tokens[row], ended
+                generators.pop(batch.prompts[row], None)
+                batch.prompts[row] = None
+        batch.shrink(drop_free_rows=not waiting or bool(stop and stop()))

@@ -1,0 +1,316 @@
+"""The prompt pool for on-policy regeneration: user requests built from public prompt files, by kind.
+
+Each builder reads one file in its source's own layout (the prompt files of `../shared/data/prompts/` and the
+training files of `../shared/data/train/`; see that folder's README) and yields requests
+`{"messages": [...], "kind", "source"}`, in wordings varied as users vary them:
+
+- translation: German sentences (Tatoeba, FLORES), short news documents of 1-3 consecutive sentences (NTREX)
+  and paragraphs (XQuAD de), in six phrasings;
+- summarization: Wikipedia paragraphs (Natural Questions via QED, XQuAD en) and news documents (NTREX en),
+  in six phrasings; rag: a paragraph and a question on it, in four; extraction: a paragraph and a request to
+  pull out its names, dates or figures (as a list or JSON);
+- qa: factoid and open questions as their sources write them (WebQuestions, Mintaka, TruthfulQA, Natural
+  Questions); chat: real users' openers (Arena-Hard, OpenAssistant) and hand-written instructions
+  (self-instruct seeds);
+- math_reasoning, coding, roleplay, writing: the prompts of the training files (GSM8K, GPTeacher,
+  self-instruct user-oriented, UltraChat eval);
+- followup: OpenAssistant conversations whose later user turn follows the target's own earlier answer
+  (`followups`: built from an answers dataset once the openers are answered).
+
+Requests that share a 13-word span with the benchmark's dev questions are left out (`exclude`), and no
+held-out text is read. Each kind is shuffled (seeded) and written to `<out>/prompts_<kind>.jsonl`:
+
+    python -m transformers_confu.training.prompt_pool --prompts-dir ../shared/data/prompts \\
+        --train-dir ../shared/data/train --out runs/regen/pool
+    python -m transformers_confu.training.prompt_pool --prompts-dir ../shared/data/prompts \\
+        --followups-from data/smollm2-135m-instruct-answers --out runs/regen/pool     # the second turns
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import random
+import re
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from pathlib import Path
+
+from .data import prompt_messages
+from .data_sources import load_conversations
+from .regenerate import prompt_key
+
+logger = logging.getLogger(__name__)
+
+Request = dict
+DEV_QUESTIONS = Path(__file__).resolve().parents[1] / "benchmark" / "data" / "specbench_dev.jsonl"
+
+TRANSLATE = ["Translate to English: {text}", "Translate this into English:\n\n{text}",
+             "What does this mean in English? {text}", "Please translate the following German text into English.\n\n{text}",
+             "Translate German to English: {text}", "German: {text}\nEnglish translation?"]
+SUMMARIZE = ["Summarize: {text}", "TL;DR:\n{text}", "Give me the main points of this article:\n{text}",
+             "Write a short summary of this passage:\n\n{text}", "Summarize the following text in a few sentences.\n\n{text}",
+             "{text}\n\nSummarize the passage above in one or two sentences."]
+ANSWER_FROM = ["Context: {text}\n\nQuestion: {question}\nAnswer:",
+               "Use the following text to answer the question.\n\n{text}\n\nQuestion: {question}",
+               "{text}\n\nBased on the passage above, {question}",
+               "Read the passage and answer the question.\n\nPassage: {text}\n\nQuestion: {question}"]
+EXTRACT = ["List every person, place and organisation named in this text:\n\n{text}",
+           "Extract all dates and numbers from the following passage, each with what it refers to.\n\n{text}",
+           '{text}\n\nFrom the text above, extract the main entities as JSON with the keys "people", "places", "dates".',
+           "Pull out the three most important facts from this paragraph as a bulleted list:\n\n{text}"]
+
+# file -> licence and upstream (repo @ commit), as the prompt folder's README gives them
+SOURCES: dict[str, dict[str, str]] = {
+    "qed_nq_train.jsonl": {"license": "CC BY-SA 3.0", "upstream": "google-research-datasets/QED @ 71e19e0"},
+    "tatoeba_test_v2021-08-07_deu_eng.jsonl": {"license": "CC BY 2.0 FR", "upstream": "Helsinki-NLP/OPUS-MT-testsets @ ac0f19c"},
+    "flores200_devtest_deu_eng.jsonl": {"license": "CC BY-SA 4.0", "upstream": "Helsinki-NLP/OPUS-MT-testsets @ ac0f19c"},
+    "ntrex128_newstest2019_deu_eng.jsonl": {"license": "CC BY-SA 4.0", "upstream": "MicrosoftTranslator/NTREX @ 8561f6a"},
+    "xquad_de.json": {"license": "CC BY-SA 4.0", "upstream": "google-deepmind/xquad @ 7d30520"},
+    "xquad_en.json": {"license": "CC BY-SA 4.0", "upstream": "google-deepmind/xquad @ 7d30520"},
+    "mintaka_dev.json": {"license": "CC BY 4.0", "upstream": "amazon-science/mintaka @ 0cb48ac"},
+    "arena_hard_v0.1_questions.jsonl": {"license": "Apache-2.0", "upstream": "lmarena/arena-hard-auto @ 196f6b8"},
+    "arena_hard_v2.0_questions.jsonl": {"license": "Apache-2.0", "upstream": "lmarena/arena-hard-auto @ 196f6b8"},
+    "oasst_en_100_trees.jsonl": {"license": "Apache-2.0", "upstream": "Open-Assistant/oasst-model-eval @ ce935de"},
+    "oasst_prompt_lottery_en_250.jsonl": {"license": "Apache-2.0", "upstream": "Open-Assistant/oasst-model-eval @ ce935de"},
+    "self_instruct_seed_tasks.jsonl": {"license": "Apache-2.0", "upstream": "yizhongw/self-instruct @ 0b26cca"},
+    "webquestions_train_trainmodel.json": {"license": "CC BY 4.0", "upstream": "brmson/dataset-factoid-webquestions @ 6688908"},
+    "webquestions_train_val.json": {"license": "CC BY 4.0", "upstream": "brmson/dataset-factoid-webquestions @ 6688908"},
+    "webquestions_train_devtest.json": {"license": "CC BY 4.0", "upstream": "brmson/dataset-factoid-webquestions @ 6688908"},
+    "truthfulqa_en.json": {"license": "Apache-2.0", "upstream": "hitz-zentroa/truthfulqa-multi @ 11fe747"},
+    "gsm8k_train.jsonl": {"license": "MIT", "upstream": "openai/grade-school-math @ 3101c7d5"},
+    "gpteacher_codegen_instruct.json": {"license": "MIT", "upstream": "teknium1/GPTeacher @ 4810751"},
+    "gpteacher_roleplay_instruct.json": {"license": "MIT", "upstream": "teknium1/GPTeacher @ 4810751"},
+    "self_instruct_user_oriented.jsonl": {"license": "Apache-2.0", "upstream": "yizhongw/self-instruct @ 0b26cca"},
+    "ultrachat_ultra_eval.json": {"license": "MIT", "upstream": "thunlp/UltraChat @ 1f613e1"},
+}
+TRAIN_KINDS = {"gsm8k_train.jsonl": "math_reasoning", "gpteacher_codegen_instruct.json": "coding",
+               "gpteacher_roleplay_instruct.json": "roleplay", "self_instruct_user_oriented.jsonl": "writing",
+               "ultrachat_ultra_eval.json": "writing"}
+
+
+def _lines(path: Path) -> Iterator[object]:
+    for line in path.read_text(encoding="utf-8").split("\n"):  # not splitlines(): U+2028 inside strings
+        if line.strip():
+            yield json.loads(line)
+
+
+def _user(text: str, kind: str, source: str) -> Request:
+    return {"messages": [{"role": "user", "content": text}], "kind": kind, "source": source}
+
+
+def _question(text: str, rng: random.Random) -> str:
+    """A question as its source writes it, or (half of the time for a lower-case one) capitalised with a '?'."""
+    text = text.strip()
+    if text[:1].islower() and rng.random() < 0.5:
+        text = text[0].upper() + text[1:].rstrip("?") + "?"
+    return text
+
+
+def _passage_requests(passages: Iterable[tuple[str, str | None]], source: str, rng: random.Random,
+                      kinds: tuple[str, ...]) -> Iterator[Request]:
+    """Summarize, answer-from and extract requests over `(passage, question or None)` pairs."""
+    for text, question in passages:
+        if "summarization" in kinds:
+            yield _user(rng.choice(SUMMARIZE).format(text=text), "summarization", source)
+        if "rag" in kinds and question:
+            yield _user(rng.choice(ANSWER_FROM).format(text=text, question=_question(question, rng)), "rag", source)
+        if "extraction" in kinds and rng.random() < 0.25:
+            yield _user(rng.choice(EXTRACT).format(text=text), "extraction", source)
+
+
+def _qed(path: Path, rng: random.Random) -> Iterator[Request]:
+    """Each question alone (qa), or its paragraph to summarize, or both (rag): one of the three per row."""
+    for row in _lines(path):
+        kind = rng.choice(("qa", "summarization", "rag"))
+        if kind == "qa":
+            yield _user(_question(row["question_text"], rng), "qa", path.name)
+        else:
+            yield from _passage_requests([(row["paragraph_text"], row["question_text"])], path.name, rng,
+                                         (kind, "extraction"))
+
+
+def _sentences(path: Path, rng: random.Random) -> Iterator[Request]:
+    for row in _lines(path):
+        yield _user(rng.choice(TRANSLATE).format(text=row["de"].strip()), "translation", path.name)
+
+
+def _ntrex(path: Path, rng: random.Random) -> Iterator[Request]:
+    docs: dict[str, list[dict]] = {}
+    for row in _lines(path):
+        docs.setdefault(row["doc_id"], []).append(row)
+    for rows in docs.values():
+        start = 0
+        while start < len(rows):  # short documents: 1-3 consecutive German sentences
+            size = rng.randint(1, 3)
+            text = " ".join(r["de"].strip() for r in rows[start : start + size])
+            yield _user(rng.choice(TRANSLATE).format(text=text), "translation", path.name)
+            start += size
+        english = "\n".join(r["en"].strip() for r in rows[:12])  # the headline, then the first sentences
+        yield _user(rng.choice(SUMMARIZE).format(text=english), "summarization", path.name)
+
+
+def _xquad(path: Path, rng: random.Random) -> Iterator[Request]:
+    paragraphs = [p for article in json.loads(path.read_text(encoding="utf-8"))["data"] for p in article["paragraphs"]]
+    if path.name.endswith("_de.json"):
+        for p in paragraphs:
+            yield _user(rng.choice(TRANSLATE).format(text=p["context"]), "translation", path.name)
+        return
+    yield from _passage_requests(((p["context"], None) for p in paragraphs), path.name, rng,
+                                 ("summarization", "extraction"))
+    yield from _passage_requests(((p["context"], q["question"]) for p in paragraphs
+                                  for q in rng.sample(p["qas"], min(2, len(p["qas"])))), path.name, rng, ("rag",))
+
+
+def _questions(field: str) -> Callable[[Path, random.Random], Iterator[Request]]:
+    def build(path: Path, rng: random.Random) -> Iterator[Request]:
+        rows = json.loads(path.read_text(encoding="utf-8"))
+        for row in rows:
+            yield _user(_question(row[field], rng), "qa", path.name)
+    return build
+
+
+def _chat(field: str | None) -> Callable[[Path, random.Random], Iterator[Request]]:
+    def build(path: Path, rng: random.Random) -> Iterator[Request]:
+        for row in _lines(path):
+            text = row if field is None else row[field]
+            if isinstance(text, str) and text.strip():
+                yield _user(text.strip(), "chat", path.name)
+    return build
+
+
+def _seed_tasks(path: Path, rng: random.Random) -> Iterator[Request]:
+    for row in _lines(path):
+        given = (row["instances"] or [{}])[0].get("input", "").strip()
+        yield _user(row["instruction"].strip() + (f"\n\n{given}" if given else ""), "chat", path.name)
+
+
+def _oasst_openers(path: Path, rng: random.Random) -> Iterator[Request]:
+    for tree in _lines(path):
+        yield _user(tree["prompt"]["text"].strip(), "chat", path.name)
+
+
+BUILDERS: dict[str, Callable[[Path, random.Random], Iterator[Request]]] = {
+    "qed_nq_train.jsonl": _qed,
+    "tatoeba_test_v2021-08-07_deu_eng.jsonl": _sentences,
+    "flores200_devtest_deu_eng.jsonl": _sentences,
+    "ntrex128_newstest2019_deu_eng.jsonl": _ntrex,
+    "xquad_de.json": _xquad,
+    "xquad_en.json": _xquad,
+    "mintaka_dev.json": _questions("question"),
+    "webquestions_train_trainmodel.json": _questions("qText"),
+    "webquestions_train_val.json": _questions("qText"),
+    "webquestions_train_devtest.json": _questions("qText"),
+    "truthfulqa_en.json": _questions("question"),
+    "arena_hard_v0.1_questions.jsonl": _chat("prompt"),
+    "arena_hard_v2.0_questions.jsonl": _chat("prompt"),
+    "oasst_prompt_lottery_en_250.jsonl": _chat(None),
+    "oasst_en_100_trees.jsonl": _oasst_openers,
+    "self_instruct_seed_tasks.jsonl": _seed_tasks,
+}
+
+
+def build_requests(prompts_dir: str | Path | None = None, train_dir: str | Path | None = None,
+                   seed: int = 0) -> list[Request]:
+    """Requests from every known file of `prompts_dir` (the prompt files) and `train_dir` (the training
+    files: their prompts, without the reference answers); each file's wordings drawn with its own seeded
+    generator. Raises a `ValueError` naming a file of `prompts_dir` that no builder reads."""
+    requests: list[Request] = []
+    if prompts_dir is not None:
+        for path in sorted(Path(prompts_dir).iterdir()):
+            if path.suffix not in (".json", ".jsonl"):
+                continue
+            if path.name not in BUILDERS:
+                raise ValueError(f"no prompt builder reads {path.name}: add one to prompt_pool.BUILDERS")
+            requests += BUILDERS[path.name](path, random.Random(f"{seed}:{path.name}"))
+    if train_dir is not None:
+        files = [str(Path(train_dir) / name) for name in TRAIN_KINDS if (Path(train_dir) / name).is_file()]
+        for row in load_conversations(files):
+            requests.append({"messages": prompt_messages(row["messages"]), "kind": TRAIN_KINDS[row["source"]],
+                             "source": row["source"]})
+    return requests
+
+
+def followups(trees_file: str | Path, answers: Mapping[str, str]) -> list[Request]:
+    """Second-turn requests of the OpenAssistant trees: `[opener, the target's answer to it, a user reply]`,
+    where the user reply is one that a person wrote to an assistant's first answer in the tree (the target's
+    answer stands in for it). `answers` maps a prompt's `prompt_key` to the target's answer; openers not
+    answered yet are skipped."""
+    path, out = Path(trees_file), []
+    for tree in _lines(path):
+        opener = [{"role": "user", "content": tree["prompt"]["text"].strip()}]
+        answer = answers.get(prompt_key(opener))
+        if not answer:
+            continue
+        replies = [r for a in tree["prompt"].get("replies", []) for r in a.get("replies", [])
+                   if r.get("role") == "prompter" and r.get("text", "").strip()]
+        for reply in replies[:2]:
+            out.append({"messages": opener + [{"role": "assistant", "content": answer},
+                                              {"role": "user", "content": reply["text"].strip()}],
+                        "kind": "followup", "source": path.name})
+    return out
+
+
+def exclude(requests: list[Request], texts: Iterable[str], span: int = 13) -> list[Request]:
+    """`requests` without those sharing a `span`-word run with any of `texts` (e.g. the dev questions)."""
+    def runs(text: str) -> set[tuple[str, ...]]:
+        words = re.findall(r"\w+", text.lower())
+        return {tuple(words[i : i + span]) for i in range(len(words) - span + 1)}
+
+    banned = set().union(*(runs(t) for t in texts))
+    kept = [r for r in requests if not any(runs(m["content"]) & banned for m in r["messages"])]
+    if len(kept) < len(requests):
+        logger.info("left out %d requests sharing a %d-word span with the excluded texts", len(requests) - len(kept), span)
+    return kept
+
+
+def dev_texts(path: str | Path = DEV_QUESTIONS) -> list[str]:
+    """Every turn of the benchmark's dev questions (text that training prompts must not contain)."""
+    return [turn for row in _lines(Path(path)) for turn in row["turns"]]
+
+
+def write_pool(requests: list[Request], out: str | Path, seed: int = 0) -> dict[str, int]:
+    """Write `requests` to `<out>/prompts_<kind>.jsonl`, each kind deduplicated and shuffled; returns the counts."""
+    by_kind: dict[str, dict[str, Request]] = {}
+    for request in requests:
+        by_kind.setdefault(request["kind"], {}).setdefault(json.dumps(request["messages"], sort_keys=True), request)
+    Path(out).mkdir(parents=True, exist_ok=True)
+    counts = {}
+    for kind, unique in sorted(by_kind.items()):
+        rows = list(unique.values())
+        random.Random(f"{seed}:{kind}").shuffle(rows)
+        with (Path(out) / f"prompts_{kind}.jsonl").open("w", encoding="utf-8") as f:
+            f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
+        counts[kind] = len(rows)
+    return counts
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--prompts-dir", default=None, help="the prompt files (../shared/data/prompts)")
+    p.add_argument("--train-dir", default=None, help="the training files whose prompts to add (../shared/data/train)")
+    p.add_argument("--followups-from", default=None,
+                   help="an answers dataset: write the OpenAssistant second turns after its answers to the openers")
+    p.add_argument("--exclude", default=str(DEV_QUESTIONS), help="questions whose text must not be in the pool")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", required=True, help="folder for prompts_<kind>.jsonl")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    if args.followups_from:
+        from .answers_dataset import read_rows  # which reads this module's SOURCES
+
+        if args.prompts_dir is None:
+            p.error("--followups-from needs --prompts-dir (the OpenAssistant trees)")
+        rows = read_rows(args.followups_from)
+        answers = {k: m[-1]["content"] for k, m in zip(rows["key"].to_pylist(), rows["messages"].to_pylist())}
+        requests = followups(Path(args.prompts_dir) / "oasst_en_100_trees.jsonl", answers)
+    elif args.prompts_dir or args.train_dir:
+        requests = build_requests(args.prompts_dir, args.train_dir, args.seed)
+    else:
+        p.error("pass --prompts-dir and/or --train-dir (or --followups-from)")
+    counts = write_pool(exclude(requests, dev_texts(args.exclude)), args.out, args.seed)
+    print(json.dumps(counts))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,107 @@
+"""Prompt builders: every prompt file's layout becomes requests of its kind; dev text is kept out."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from transformers_confu.training.prompt_pool import (
+    ANSWER_FROM,
+    BUILDERS,
+    SOURCES,
+    SUMMARIZE,
+    TRANSLATE,
+    build_requests,
+    dev_texts,
+    exclude,
+    followups,
+    write_pool,
+)
+from transformers_confu.training.regenerate import prompt_key
+
+SHARED_PROMPTS = Path(__file__).resolve().parents[3] / "shared" / "data" / "prompts"
+PARAGRAPH = "The Rhine is a river that flows from the Alps to the North Sea through six countries in Europe."
+TREE = {"prompt": {"text": "How do I bake bread?", "role": "prompter", "replies": [
+    {"role": "assistant", "text": "Mix flour and water.", "replies": [
+        {"role": "prompter", "text": "How long should it rise?", "replies": []},
+        {"role": "prompter", "text": "Can I use rye?", "replies": []}]},
+    {"role": "assistant", "text": "Buy some.", "replies": []}]}}
+
+
+def _write_prompt_files(d: Path) -> None:
+    def jsonl(name, rows):
+        (d / name).write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+
+    xquad = {"data": [{"paragraphs": [{"context": PARAGRAPH, "qas": [{"question": "Where does the Rhine flow?"}]}]}]}
+    jsonl("qed_nq_train.jsonl", [{"question_text": f"where does river {i} flow", "paragraph_text": PARAGRAPH}
+                                 for i in range(12)])
+    jsonl("tatoeba_test_v2021-08-07_deu_eng.jsonl", [{"de": "Ich bin müde.", "en": "I am tired."}])
+    jsonl("flores200_devtest_deu_eng.jsonl", [{"de": "Der Zug ist spät.", "en": "The train is late."}])
+    jsonl("ntrex128_newstest2019_deu_eng.jsonl", [{"doc_id": "a", "de": f"Satz {i}.", "en": f"Sentence {i}."}
+                                                  for i in range(5)])
+    (d / "xquad_de.json").write_text(json.dumps({"data": [{"paragraphs": [{"context": "Der Rhein ist lang.", "qas": []}]}]}))
+    (d / "xquad_en.json").write_text(json.dumps(xquad))
+    (d / "mintaka_dev.json").write_text(json.dumps([{"question": "What is the capital of France?"}]))
+    for name in ("webquestions_train_trainmodel.json", "webquestions_train_val.json", "webquestions_train_devtest.json"):
+        (d / name).write_text(json.dumps([{"qText": "who founded ikea?", "answers": ["Ingvar Kamprad"]}]))
+    (d / "truthfulqa_en.json").write_text(json.dumps([{"question": "Do bats see?"}]))
+    jsonl("arena_hard_v0.1_questions.jsonl", [{"prompt": "Write a haiku\u2028about rain."}])
+    jsonl("arena_hard_v2.0_questions.jsonl", [{"prompt": "Prove that 2 is prime."}])
+    jsonl("oasst_prompt_lottery_en_250.jsonl", ["Tell me a joke."])
+    jsonl("oasst_en_100_trees.jsonl", [TREE])
+    jsonl("self_instruct_seed_tasks.jsonl", [{"instruction": "Convert it.", "instances": [{"input": "3 ft", "output": "36 in"}]}])
+
+
+def test_every_file_becomes_requests_of_its_kind(tmp_path):
+    _write_prompt_files(tmp_path)
+    requests = build_requests(tmp_path, seed=0)
+    kinds = {}
+    for r in requests:
+        kinds.setdefault(r["source"], set()).add(r["kind"])
+        assert r["messages"][0]["role"] == "user" and r["source"] in SOURCES
+    assert kinds["tatoeba_test_v2021-08-07_deu_eng.jsonl"] == {"translation"}
+    assert kinds["qed_nq_train.jsonl"] >= {"qa", "summarization", "rag"}
+    assert kinds["ntrex128_newstest2019_deu_eng.jsonl"] == {"translation", "summarization"}
+    assert kinds["xquad_en.json"] >= {"summarization", "rag"} and kinds["xquad_de.json"] == {"translation"}
+    assert kinds["arena_hard_v0.1_questions.jsonl"] == kinds["self_instruct_seed_tasks.jsonl"] == {"chat"}
+    assert set(BUILDERS) == {p.name for p in tmp_path.iterdir()}
+    by_text = {r["messages"][0]["content"]: r for r in requests}
+    assert "Write a haiku\u2028about rain." in by_text and "Convert it.\n\n3 ft" in by_text
+    translations = [t for t, r in by_text.items() if r["source"].startswith("tatoeba")]
+    assert translations[0] in {w.format(text="Ich bin müde.") for w in TRANSLATE}
+    news = [t for t, r in by_text.items() if r["kind"] == "translation" and r["source"].startswith("ntrex")]
+    assert " ".join(news).count("Satz") == 5  # the document in pieces of 1-3 sentences, every sentence once
+    assert any(t in {w.format(text=PARAGRAPH) for w in SUMMARIZE} for t in by_text)
+    assert any(t.startswith(tuple(w.split("{")[0] for w in ANSWER_FROM if not w.startswith("{"))) for t in by_text)
+    assert build_requests(tmp_path, seed=0) == requests  # seeded
+    (tmp_path / "unknown.jsonl").write_text("{}\n")
+    with pytest.raises(ValueError, match="no prompt builder reads unknown.jsonl"):
+        build_requests(tmp_path)
+
+
+def test_followups_continue_after_the_targets_own_answer(tmp_path):
+    (tmp_path / "trees.jsonl").write_text(json.dumps(TREE) + "\n")
+    opener = [{"role": "user", "content": "How do I bake bread?"}]
+    assert followups(tmp_path / "trees.jsonl", {}) == []  # the opener is not answered yet
+    out = followups(tmp_path / "trees.jsonl", {prompt_key(opener): "Knead flour, water and yeast."})
+    assert [r["messages"] for r in out] == [
+        opener + [{"role": "assistant", "content": "Knead flour, water and yeast."}, {"role": "user", "content": text}]
+        for text in ("How long should it rise?", "Can I use rye?")]
+    assert {r["kind"] for r in out} == {"followup"}
+
+
+def test_dev_text_is_excluded_and_kinds_are_written_apart(tmp_path):
+    dev = dev_texts()
+    assert len(dev) > 200
+    copied = {"messages": [{"role": "user", "content": "Please: " + dev[0]}], "kind": "chat", "source": "x"}
+    fresh = {"messages": [{"role": "user", "content": "Tell me about rivers."}], "kind": "qa", "source": "x"}
+    assert exclude([copied, fresh, fresh], dev) == [fresh, fresh]
+    counts = write_pool([copied, fresh, fresh], tmp_path / "pool")
+    assert counts == {"chat": 1, "qa": 1}
+    assert json.loads((tmp_path / "pool" / "prompts_qa.jsonl").read_text()) == fresh
+
+
+def test_the_shared_prompt_files_all_have_builders():
+    if not SHARED_PROMPTS.exists():
+        pytest.skip(f"{SHARED_PROMPTS} not found")
+    assert {p.name for p in SHARED_PROMPTS.iterdir() if p.suffix in (".json", ".jsonl")} == set(BUILDERS)
