@@ -24,10 +24,14 @@ import torch
 from tqdm.auto import tqdm
 
 from ..decoding.assistant import ConFuAssistant
+from ..decoding.suffix import SHIPPED_CORPUS
+from ..decoding.suffix_assistant import DEFAULT_TOTAL_TOKENS, SuffixAssistant
 from ..models.target import DEFAULT_DRAFT, DEFAULT_TARGET, load_target
 from ..utils.packed_linear import packed_kernels
 from .batch_bench import batch_methods, run_batches
 from .quality import quality_check, quality_markdown
+
+DEFAULT_SUFFIX_CORPUS = SHIPPED_CORPUS
 from .questions import (
     DEFAULT_QUESTIONS,
     PACKAGED_QUESTIONS,
@@ -38,49 +42,64 @@ from .questions import (
 
 @dataclass
 class Method:
-    """A named way to answer: `run(input_ids, max_new_tokens) -> (output ids, accept lengths or None)`."""
+    """A named way to answer: `run(input_ids, max_new_tokens) -> (output ids, accept lengths or None)`;
+    `assistant`: the assistant it runs, whose `stats` are read after each call (accepted tokens by source)."""
 
     name: str
     run: Callable[[torch.LongTensor, int], tuple[torch.LongTensor, list[int] | None]]
+    assistant: object | None = None
 
 
 AUTO_CANDIDATES = "2,1,3;3,1,4;3,2,5;4,1,5;4,2,6;5,2,8;6,2,10;6,4,16;8,4,30"
 
 
-def auto_tree(model, tokenizer, path: str, questions: list[dict], candidates: list[tuple[int, int, int]],
-              max_new_tokens: int, sampling: dict) -> tuple[tuple[int, int, int], dict]:
+def auto_tree(model, tokenizer, path: str, questions: list[dict], candidates: list[tuple[int, ...]],
+              max_new_tokens: int, sampling: dict, suffix_corpus: str | None = None) -> tuple[tuple[int, ...], dict]:
     """Pick the tree budget with the most tokens/s for this draft on THIS machine.
 
     Each candidate answers the first turn of the calibration questions; the measured tokens/s folds in both
-    the draft's acceptance at that budget and the machine's verify cost at that width.
+    the draft's acceptance at that budget and the machine's verify cost at that width. A candidate
+    (depth, top_k, total_tokens) runs the draft alone; (depth, top_k, total_tokens, suffix_nodes) a hybrid
+    tree with `suffix_corpus`.
     """
     speeds = {}
     for budget in tqdm(candidates, desc="auto-tree calibration"):
-        depth, top_k, total = budget
+        depth, top_k, total, *nodes = budget
+        extra = dict(suffix=suffix_corpus, suffix_nodes=nodes[0]) if nodes else dict(suffix=False)
         assistant = ConFuAssistant.from_pretrained(path, target_model=model, depth=depth, top_k=top_k,
-                                                   total_tokens=total)
+                                                   total_tokens=total, **extra)
         tokens = seconds = 0.0
         for question in questions:
             model.generate(chat_input_ids(tokenizer, question["turns"][:1]), max_new_tokens=max_new_tokens,
                            assistant_model=assistant, **sampling)
             tokens += assistant.stats.new_tokens
             seconds += assistant.stats.total_seconds
-        speeds[f"d{depth}k{top_k}n{total}"] = tokens / seconds
-    best = max(candidates, key=lambda b: speeds[f"d{b[0]}k{b[1]}n{b[2]}"])
+        speeds[budget_name(budget)] = tokens / seconds
+    best = max(candidates, key=lambda b: speeds[budget_name(b)])
     return best, speeds
+
+
+def budget_name(budget: tuple[int, ...]) -> str:
+    """`d2k1n3` for a draft's budget, `d2k1n8s6` for a hybrid one (6 suffix candidates)."""
+    return "d{}k{}n{}".format(*budget[:3]) + (f"s{budget[3]}" if len(budget) > 3 else "")
 
 
 def build_methods(model, drafts: list[str], trees: list[tuple[int, int, int]], sampling: dict,
                   prompt_lookup: int | None, contemplate_nodes: list[int | str | None] = (None,),
                   assistant_model=None, static_baseline: bool = False, loops: tuple[str, ...] = ("eager",),
-                  static: dict | None = None) -> list[Method]:
+                  static: dict | None = None, suffix: tuple[str, ...] = (), suffix_corpus: str | None = None,
+                  suffix_tokens: tuple[int, ...] = (DEFAULT_TOTAL_TOKENS,), hybrid_trees: list[tuple[int, ...]] = ()) -> list[Method]:
     """Plain generate (the reference), with `static_baseline` plain generate with a static cache (which transformers
     compiles on CUDA), prompt lookup, transformers' assisted decoding (with `assistant_model`),
     then every draft x tree budget x loop; a ConFu draft once per `contemplate_nodes` entry ("saved": as the draft is
     configured, "confu-saved"; None: a `[con]` on every node, "confu"; m > 0: on the m likeliest path ends,
     "confu-c{m}"; 0: without its future token, "confu-off").
     `loops`: "eager" and/or "static" (`cache_implementation="static"`, compiled on CUDA; named `<method>-static`);
-    `static`: the `generate` options of the static methods and baseline (default `static_options("auto")`)."""
+    `static`: the `generate` options of the static methods and baseline (default `static_options("auto")`).
+    Drafts run alone (`suffix=False`). `suffix` adds draft-free `SuffixAssistant`s, one per `suffix_tokens` width:
+    "suffix" (the sequence itself), "suffix-corpus" (and `suffix_corpus`); "hybrid" runs every draft with the
+    suffix candidates of both sources in its trees, per `hybrid_trees` budget (depth, top_k, total_tokens, suffix
+    nodes), named `<mode>-hybrid:<draft>:d..k..n..s..`."""
     static = static or static_options("auto")
     ones = torch.ones_like
 
@@ -97,20 +116,33 @@ def build_methods(model, drafts: list[str], trees: list[tuple[int, int, int]], s
     if assistant_model is not None:
         methods.append(Method("assisted", lambda ids, n: (model.generate(
             ids, attention_mask=ones(ids), max_new_tokens=n, assistant_model=assistant_model, **sampling), None)))
-    for path in drafts:
-        for depth, top_k, total in trees:
-            assistant = ConFuAssistant.from_pretrained(path, target_model=model, depth=depth, top_k=top_k,
-                                                       total_tokens=total)
-            tree = f"{Path(path).name}:d{depth}k{top_k}n{total}"
+    for name in (x for x in suffix if x in ("suffix", "suffix-corpus")):
+        for width in suffix_tokens:
+            assistant = SuffixAssistant(model, corpus=suffix_corpus if name == "suffix-corpus" else None,
+                                        total_tokens=width)
             for loop in loops:
-                suffix, options = ("", {}) if loop == "eager" else ("-static", static)
+                tag, options = ("", {}) if loop == "eager" else ("-static", static)
+                methods.append(Method(f"{name}{tag}:n{width}",
+                                      _speculative(model, assistant, {**sampling, **options}), assistant))
+    budgets = [(False, (d, k, n)) for d, k, n in trees]
+    budgets += [(True, b) for b in hybrid_trees] if "hybrid" in suffix else []
+    for path in drafts:
+        for hybrid, (depth, top_k, total, *nodes_) in budgets:
+            extra = dict(suffix=suffix_corpus, suffix_nodes=nodes_[0]) if hybrid else dict(suffix=False)
+            assistant = ConFuAssistant.from_pretrained(path, target_model=model, depth=depth, top_k=top_k,
+                                                       total_tokens=total, **extra)
+            tree = f"{Path(path).name}:{budget_name((depth, top_k, total, *nodes_))}"
+            kind = "-hybrid" if hybrid else ""
+            for loop in loops:
+                tag, options = ("", {}) if loop == "eager" else ("-static", static)
                 if not assistant.draft.config.contemplate:
-                    methods.append(Method(f"eagle3{suffix}:{tree}", _speculative(model, assistant, {**sampling, **options})))
+                    methods.append(Method(f"eagle3{kind}{tag}:{tree}",
+                                          _speculative(model, assistant, {**sampling, **options}), assistant))
                     continue
                 for nodes in contemplate_nodes:
                     mode = {"saved": "confu-saved", None: "confu", 0: "confu-off"}.get(nodes, f"confu-c{nodes}")
-                    methods.append(Method(f"{mode}{suffix}:{tree}",
-                                          _speculative(model, assistant, {**sampling, **options}, nodes)))
+                    methods.append(Method(f"{mode}{kind}{tag}:{tree}",
+                                          _speculative(model, assistant, {**sampling, **options}, nodes), assistant))
     return methods
 
 
@@ -128,9 +160,10 @@ def static_options(compile: str) -> dict:
     return options
 
 
-def _speculative(model, assistant: ConFuAssistant, sampling: dict, contemplate_nodes: int | str | None = None):
+def _speculative(model, assistant, sampling: dict, contemplate_nodes: int | str | None = None):
     """A method running `assistant`; `contemplate_nodes` "saved" leaves the draft's own setting in place."""
-    extra = {} if assistant.adapter is None or contemplate_nodes == "saved" else dict(contemplate_nodes=contemplate_nodes)
+    adapter = getattr(assistant, "adapter", None) if isinstance(assistant, ConFuAssistant) else None
+    extra = {} if adapter is None or contemplate_nodes == "saved" else dict(contemplate_nodes=contemplate_nodes)
 
     def run(ids, n):
         out = model.generate(ids, max_new_tokens=n, assistant_model=assistant, **sampling, **extra)
@@ -143,12 +176,17 @@ def answer(method: Method, tokenizer, question: dict, max_new_tokens: int, seed:
            device: torch.device | str = "cpu") -> dict:
     """Answer every turn of a question (later turns see the method's own earlier answers)."""
     texts, ids_out, new_tokens, times, accepts = [], [], [], [], []
+    sources, suffix_seconds = defaultdict(int), 0.0
     for turn in range(len(question["turns"])):
         ids = chat_input_ids(tokenizer, question["turns"][: turn + 1], texts).to(device)
         torch.manual_seed(seed + turn)
         start = time.perf_counter()
         out, accept = method.run(ids, max_new_tokens)
         times.append(time.perf_counter() - start)
+        if method.assistant is not None:
+            for name, count in method.assistant.stats.accepted_by_source.items():
+                sources[name] += count
+            suffix_seconds += method.assistant.stats.suffix_seconds
         new = out[0, ids.shape[1]:].cpu()
         ids_out.append((ids.cpu(), new))
         texts.append(tokenizer.decode(new, skip_special_tokens=True))
@@ -159,7 +197,8 @@ def answer(method: Method, tokenizer, question: dict, max_new_tokens: int, seed:
     return dict(question_id=question["question_id"], category=question["category"], model_id=method.name,
                 choices=[dict(index=0, turns=texts, new_tokens=new_tokens, wall_time=times,
                               accept_lengths=[a for turn in accepts for a in turn],
-                              decoding_steps=[len(a) + 1 for a in accepts])],
+                              decoding_steps=[len(a) + 1 for a in accepts], accepted_by_source=dict(sources),
+                              suffix_seconds=suffix_seconds)],
                 tstamp=time.time(), _ids=ids_out)
 
 
@@ -195,6 +234,13 @@ def summarize(records: dict[str, list[dict]], greedy: bool, mismatches: dict[str
             accepts = [a for c in choices for a in c["accept_lengths"]]
             table[name][category] = dict(tokens=tokens, seconds=seconds, tokens_per_s=tokens / seconds,
                                          tau=sum(accepts) / len(accepts) if accepts else None)
+            sources = defaultdict(int)
+            for c in choices:
+                for source, count in c.get("accepted_by_source", {}).items():
+                    sources[source] += count
+            if any(c.get("suffix_seconds", 0) > 0 for c in choices):  # suffix lookups ran: accepted tokens by origin
+                table[name][category].update(accepted_by_source=dict(sources), suffix_ms_per_round=1e3 * sum(
+                    c["suffix_seconds"] for c in choices) / max(len(accepts), 1))
     for name in table:
         for category, cell in table[name].items():
             cell["speedup"] = cell["tokens_per_s"] / table["generate"][category]["tokens_per_s"]
@@ -222,6 +268,18 @@ def markdown(table: dict, meta: dict) -> str:
     for name, cells in table.items():
         lines.append(f"| {name} | " + " | ".join(f"{cells[c]['speedup']:.2f}x ({_tau(cells[c])})"
                                                  for c in categories) + " |")
+    with_sources = [name for name, cells in table.items() if "accepted_by_source" in cells["overall"]]
+    if with_sources:
+        lines += ["", "## Accepted tokens by source", "",
+                  "Drafted tokens accepted (bonus tokens aside) by who proposed them: the draft, the suffix index, or both "
+                  "(the same node); suffix lookup cost per round.", "",
+                  "| method | draft | suffix | both | suffix share | suffix ms/round |", "|---|---|---|---|---|---|"]
+        for name in with_sources:
+            c = table[name]["overall"]
+            by = {k: c["accepted_by_source"].get(k, 0) for k in ("draft", "suffix", "both")}
+            total = max(sum(by.values()), 1)
+            lines.append(f"| {name} | {by['draft']} | {by['suffix']} | {by['both']} | "
+                         f"{(by['suffix'] + by['both']) / total:.0%} | {c['suffix_ms_per_round']:.2f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -315,7 +373,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--trees", default="4,2,6", help="tree budgets 'depth,top_k,total_tokens;...'")
     p.add_argument("--auto-tree", action="store_true",
                    help="also run each draft with the budget that a calibration on this machine finds fastest")
-    p.add_argument("--auto-candidates", default=AUTO_CANDIDATES, help="budgets --auto-tree chooses from")
+    p.add_argument("--auto-candidates", default=AUTO_CANDIDATES, help="budgets --auto-tree chooses from "
+                   "(d,k,n: the draft alone; d,k,n,s: a hybrid tree with s suffix candidates)")
     p.add_argument("--auto-questions", type=int, default=3, help="calibration questions (the first N)")
     p.add_argument("--contemplate-nodes", default="saved,0",
                    help="ConFu drafts: runs per draft, comma-separated: 'saved' = as the draft is configured "
@@ -324,6 +383,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--assistant-model", default=None,
                    help="a smaller same-tokenizer model (folder or Hub id) for transformers' assisted decoding")
     p.add_argument("--prompt-lookup", type=int, default=10, help="prompt-lookup tokens (0 = leave it out)")
+    p.add_argument("--suffix", default="", help="suffix-drafting methods, comma-separated: suffix (SuffixAssistant, "
+                   "the sequence itself), suffix-corpus (and the corpus), hybrid (each draft with both sources)")
+    p.add_argument("--suffix-corpus", default=str(DEFAULT_SUFFIX_CORPUS), help="suffix corpus folder or Hub id")
+    p.add_argument("--suffix-tokens", default=str(DEFAULT_TOTAL_TOKENS),
+                   help="SuffixAssistant: nodes verified per round (root included), comma-separated widths")
+    p.add_argument("--hybrid-trees", default="2,1,8,6",
+                   help="hybrid budgets 'depth,top_k,total_tokens,suffix_nodes;...' (total_tokens: draft + suffix)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--batch-size", type=int, default=1,
                    help="B > 1: first turns B at a time (left-padded batches), plain batched generate as the reference "
@@ -350,7 +416,10 @@ def _main(args: argparse.Namespace, argv) -> dict:
     model, tokenizer = load_target(args.target, torch_dtype=getattr(torch, dtype), device=args.device)
     greedy = args.temperature == 0
     sampling = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=args.temperature)
-    trees = _budgets(args.trees)
+    trees, hybrid_trees = _budgets(args.trees), _budgets(args.hybrid_trees)
+    suffix = tuple(x.strip() for x in args.suffix.split(",") if x.strip())
+    if not set(suffix) <= {"suffix", "suffix-corpus", "hybrid"}:
+        raise SystemExit(f"--suffix {args.suffix!r}: choose among suffix, suffix-corpus, hybrid.")
     questions = load_questions(args.questions or DEFAULT_QUESTIONS, args.limit, args.per_category, args.categories)
     if args.turns is not None:
         questions = [{**q, "turns": q["turns"][: args.turns]} for q in questions]
@@ -358,9 +427,13 @@ def _main(args: argparse.Namespace, argv) -> dict:
     if args.auto_tree:
         for path in args.drafts:
             best, speeds = auto_tree(model, tokenizer, path, questions[: args.auto_questions],
-                                     _budgets(args.auto_candidates), args.max_new_tokens, sampling)
+                                     _budgets(args.auto_candidates), args.max_new_tokens, sampling, args.suffix_corpus)
             calibration[Path(path).name] = dict(chosen=best, tokens_per_s=speeds)
-            trees = trees + [best] if best not in trees else trees
+            if len(best) == 3 and best not in trees:
+                trees = trees + [best]
+            elif len(best) == 4 and best not in hybrid_trees:
+                hybrid_trees = hybrid_trees + [best]
+                suffix = suffix + ("hybrid",) if "hybrid" not in suffix else suffix
     named = {"all": None, "saved": "saved"}
     nodes = [named[x] if x in named else int(x) for x in map(str.strip, args.contemplate_nodes.split(","))]
     assistant_model = None
@@ -377,7 +450,8 @@ def _main(args: argparse.Namespace, argv) -> dict:
                                                   args.seed, greedy, args.batch_size, divergence)
     else:
         methods = build_methods(model, args.drafts, trees, sampling, args.prompt_lookup, nodes, assistant_model,
-                                args.static_baseline, loops, static_options(args.compile))
+                                args.static_baseline, loops, static_options(args.compile), suffix, args.suffix_corpus,
+                                tuple(int(x) for x in args.suffix_tokens.split(",")), hybrid_trees)
         records, mismatches, warmup = run_bench(model, tokenizer, methods, questions, args.max_new_tokens, args.seed,
                                                 greedy)
     table = summarize(records, greedy, mismatches)
@@ -400,8 +474,7 @@ def _main(args: argparse.Namespace, argv) -> dict:
     out.with_suffix(".json").write_text(json.dumps(summary, indent=2))
     text = markdown(table, meta) + (quality_markdown(quality) if quality else "")
     for name, cal in calibration.items():
-        text += (f"\n## --auto-tree calibration for {name}\n\nchosen d{cal['chosen'][0]}k{cal['chosen'][1]}"
-                 f"n{cal['chosen'][2]}; tokens/s per candidate: " +
+        text += (f"\n## --auto-tree calibration for {name}\n\nchosen {budget_name(cal['chosen'])}; tokens/s per candidate: " +
                  ", ".join(f"{k} {v:.2f}" for k, v in cal["tokens_per_s"].items()) + "\n")
     if mismatches:
         text += "\n## Mismatches against plain generate\n\n" + "\n".join(

@@ -30,6 +30,7 @@ from ..utils.cache import keep_path, static_cache, truncate_cache
 from ..utils.packed_linear import pack_linear_weights
 from .batched import generate_batch, is_batch
 from .generation import SpeculativeStats, StaticTarget, TreeBudget, speculative_generate
+from .suffix import SUFFIX_FOLDER, SuffixProposer, load_proposer
 from .tree import TreeDrafter, catch_up_step, draft_tree
 
 # generate() options that change the output in ways this loop does not reproduce, with neutral values.
@@ -75,13 +76,19 @@ class ConFuAssistant:
         contemplate_nodes: ConFu: how many tree nodes get a `[con]` (None: all, 0: none, i.e. the draft without
             its future token); a call can override it with `contemplate_nodes=`. Unless it is set here or in the
             call, greedy calls of a draft with `contemplate_when_greedy=False` run with 0.
+        suffix: a `SuffixProposer` whose candidates (from the sequence itself and its corpus) join every tree
+            under the same `total_tokens` (a hybrid tree), or None for the draft alone; a call can leave it
+            out with `suffix=False`.
 
     A call can also override the draft config's `future_logit_weight` (ConFu: how much the `[con]`'s own
     prediction is mixed into the first drafted level) with `future_logit_weight=`.
     """
 
+    routes_generate = True  # `target.generate(assistant_model=self)` runs `self.generate`
+
     def __init__(self, draft: ConFuDraftModel, target_model: PreTrainedModel,
-                 adapter: ContemplateAdapter | None = None, contemplate_nodes: int | None = None, **tree: int) -> None:
+                 adapter: ContemplateAdapter | None = None, contemplate_nodes: int | None = None,
+                 suffix: SuffixProposer | None = None, **tree: int) -> None:
         if draft.config.contemplate and adapter is None:
             raise ValueError("This is a ConFu draft (contemplate=True): it needs its ContemplateAdapter "
                              f"(saved in {ADAPTER_FOLDER}/ beside the draft).")
@@ -100,7 +107,7 @@ class ConFuAssistant:
         self.adapter = adapter
         self._nodes_set = contemplate_nodes is not None
         self.contemplate_nodes = contemplate_nodes if contemplate_nodes is not None else draft.config.contemplate_nodes
-        self.target = target_model
+        self.target, self.suffix = target_model, suffix
         cfg = draft.config
         self.budget = TreeBudget(
             depth=tree.get("depth", cfg.tree_depth),
@@ -109,7 +116,7 @@ class ConFuAssistant:
         )
         self._budget_set = bool(tree)  # batches run an explicit budget as it is, else `batch_budget`'s
         self.stats = SpeculativeStats()
-        _wrap_generate(target_model)
+        wrap_generate(target_model)
 
     def __getattr__(self, name: str) -> Any:
         # Only reached when transformers' own generate() inspects us: the model was not prepared.
@@ -128,15 +135,31 @@ class ConFuAssistant:
         """Load a draft (local folder or Hub id) for `target_model`, with its contemplate adapter if it is a
         ConFu draft; `depth`/`top_k`/`total_tokens` go to the budget, `contemplate_nodes` as in the class.
 
+        `suffix`: True (default) uses the suffix corpus saved beside a local draft (`suffix_corpus/`), if there
+        is one, with the hybrid budget saved in it (unless `total_tokens`/`suffix_nodes` are given); False the
+        draft alone; or a corpus folder / `CorpusIndex` / `SuffixProposer` (see `suffix.load_proposer`; the
+        corpus is checked against `tokenizer`, default the target's).
+
         Reference-format EAGLE-3 drafts (SafeAILab/EAGLE, SpecForge: a Llama config with `draft_vocab_size`,
         weights `midlayer.*`, `fc`, `norm`, `lm_head`, `d2t`, `t2d`) load too (see `eagle3_format`)."""
         options = {k: kwargs.pop(k) for k in ("depth", "top_k", "total_tokens", "contemplate_nodes") if k in kwargs}
+        source, tokenizer, nodes = kwargs.pop("suffix", True), kwargs.pop("tokenizer", None), kwargs.pop("suffix_nodes", None)
+        beside = Path(path_or_id) / SUFFIX_FOLDER
+        if source is True:
+            source = beside if beside.is_dir() else None
+        suffix = load_proposer(source, target_model, tokenizer)
+        if suffix is not None and suffix.corpus is not None:
+            hybrid = suffix.corpus.meta.get("hybrid", {})
+            options.setdefault("total_tokens", hybrid.get("total_tokens", suffix.max_nodes + 1))
+            suffix.max_nodes = nodes or hybrid.get("suffix_nodes", suffix.max_nodes)
+        elif suffix is not None and nodes:
+            suffix.max_nodes = nodes
         hub = {k: kwargs[k] for k in ("revision", "cache_dir", "token") if k in kwargs}
         if is_eagle3_config(read_config(path_or_id, **hub) or {}):
-            return cls(load_eagle3(path_or_id, target_model, **hub), target_model, **options)
+            return cls(load_eagle3(path_or_id, target_model, **hub), target_model, suffix=suffix, **options)
         draft = load_draft(path_or_id, **kwargs)
         adapter = load_adapter(path_or_id, **kwargs) if draft.config.contemplate else None
-        return cls(draft, target_model, adapter, **options)
+        return cls(draft, target_model, adapter, suffix=suffix, **options)
 
     @classmethod
     def from_config(cls, config: ConFuDraftConfig, target_model: PreTrainedModel, **options: Any) -> "ConFuAssistant":
@@ -176,18 +199,13 @@ class ConFuAssistant:
         return result
 
     def generate(self, target: PreTrainedModel, input_ids: torch.LongTensor | None = None, **kwargs: Any):
-        """Run tree speculative decoding; called through `target.generate(assistant_model=self)`."""
-        if target is not self.target:
-            raise ValueError(
-                f"This assistant drafts for {_describe(self.target)}, not for the model whose generate() was "
-                f"called ({_describe(target)}): build one for that model with "
-                "`ConFuAssistant.from_pretrained(draft, target_model=model)`."
-            )
+        """Run tree speculative decoding; called through `target.generate(assistant_model=self)`. `suffix=False`
+        leaves this call's trees to the draft alone."""
         input_ids, mask = kwargs.pop("inputs", input_ids), kwargs.pop("attention_mask", None)
-        if input_ids is None or input_ids.ndim != 2:
-            raise ValueError("Pass `input_ids` of shape (batch, prompt_length).")
-        if input_ids.shape[1] == 0:
-            raise ValueError("The prompt is empty: speculative decoding needs at least one prompt token.")
+        batched = is_batch(input_ids, mask)
+        input_ids = checked_input_ids(self.target, target, input_ids,
+                                      "`ConFuAssistant.from_pretrained(draft, target_model=model)`", batched)
+        use_suffix = kwargs.pop("suffix", True)
         tree_set = self._budget_set or any(f"tree_{name}" in kwargs for name in ("depth", "top_k", "total_tokens"))
         budget = TreeBudget(
             depth=kwargs.pop("tree_depth", self.budget.depth),
@@ -211,7 +229,7 @@ class ConFuAssistant:
         if not (nodes_set or config.do_sample or self.draft.config.contemplate_when_greedy):
             contemplate_nodes = 0
         max_new = _max_new_tokens(config, input_ids.shape[1], budget, target)
-        if is_batch(input_ids, mask):  # B > 1 or left padding: batched.py
+        if batched:  # B > 1 or left padding: batched.py (the draft alone, without suffix candidates)
             return generate_batch(self, target, input_ids, mask, config, budget if tree_set else None, max_new,
                                   tokenizer, streamer, contemplate_nodes, future_logit_weight)
         self.stats = SpeculativeStats()
@@ -222,12 +240,15 @@ class ConFuAssistant:
         elif config.cache_implementation not in (None, "dynamic"):
             raise ValueError(f"cache_implementation={config.cache_implementation!r} is not supported with a ConFu "
                              "assistant: use 'static' (preallocated caches, compiled on CUDA) or leave it unset.")
+        suffix = self.suffix if use_suffix else None
         drafter = TreeDrafter(self.draft, budget.depth, budget.top_k, budget.total_tokens, temperature,
-                              parts.get("draft_cache"), parts.get("draft_calls"))
-        return speculative_generate(
+                              parts.get("draft_cache"), parts.get("draft_calls"), suffix)
+        output = speculative_generate(
             target, drafter, self.draft.config.feature_layers, input_ids, config, max_new, self.stats,
             tokenizer, streamer, self.adapter, contemplate_nodes, parts.get("target"), future_logit_weight,
         )
+        self.stats.suffix_seconds = 0.0 if suffix is None else suffix.seconds
+        return output
 
     def _static_parts(self, config: GenerationConfig, length: int, budget: TreeBudget) -> dict[str, Any]:
         """Static mode: preallocated caches for target and draft, sized to `length` tokens plus the tree and
@@ -236,17 +257,11 @@ class ConFuAssistant:
         tree drafting, each one graph): compiled where transformers' `generate` compiles a static cache (CUDA/XPU,
         or `compile_config._compile_all_devices`; never with `disable_compile`), with its `compile_config`.
         Kept on the assistant and reused by later calls of the same capacity and compile settings."""
-        layer_types = getattr(self.target.config, "layer_types", None) or []
-        if any(kind != "full_attention" for kind in layer_types):
-            raise ValueError("cache_implementation='static' with a ConFu assistant supports full-attention targets "
-                             f"only; this one has layer types {sorted(set(layer_types))}: leave cache_implementation unset.")
+        check_full_attention(self.target)
         offset = 0 if self.adapter is None else self.adapter.num_soft_tokens
-        needed = offset + length + 2 * budget.total_tokens + budget.depth * (budget.top_k + 1) + 2
-        capacity = -(-needed // STATIC_BUCKET) * STATIC_BUCKET
-        compile_config = config.compile_config
-        compile = not config.disable_compile and (
-            self.target.device.type in ("cuda", "xpu") or bool(compile_config and compile_config._compile_all_devices))
-        options = (compile_config or CompileConfig()).to_dict() if compile else None
+        capacity = static_capacity(offset + length + 2 * budget.total_tokens + budget.depth * (budget.top_k + 1) + 2)
+        options = compile_options(config, self.target)
+        compile = options is not None
         key = (capacity, repr(options))
         parts = self.__dict__.get("_static")
         if parts is not None and parts["key"] == key:
@@ -264,6 +279,44 @@ class ConFuAssistant:
         }
         self._static = parts
         return parts
+
+
+def checked_input_ids(own: PreTrainedModel, target: PreTrainedModel, input_ids: torch.LongTensor | None,
+                      build: str, batch: bool = False) -> torch.LongTensor:
+    """`input_ids` of a call through `target.generate`, after checking it is the assistant's `own` target
+    (else the error says to `build` one for it) and the ids are one non-empty prompt (a non-empty `batch`)."""
+    if target is not own:
+        raise ValueError(f"This assistant drafts for {_describe(own)}, not for the model whose generate() was "
+                         f"called ({_describe(target)}): build one for that model with {build}.")
+    if input_ids is None or input_ids.ndim != 2:
+        raise ValueError("Pass `input_ids` of shape (1, prompt_length).")
+    if input_ids.shape[0] != 1 and not batch:
+        raise ValueError(f"ConFu speculative decoding supports batch size 1 only, got {input_ids.shape[0]}.")
+    if input_ids.shape[1] == 0:
+        raise ValueError("The prompt is empty: speculative decoding needs at least one prompt token.")
+    return input_ids
+
+
+def check_full_attention(target: PreTrainedModel) -> None:
+    """The static mode's caches are full-attention ones: refuse a target with other layer types."""
+    layer_types = getattr(target.config, "layer_types", None) or []
+    if any(kind != "full_attention" for kind in layer_types):
+        raise ValueError("cache_implementation='static' with a ConFu assistant supports full-attention targets "
+                         f"only; this one has layer types {sorted(set(layer_types))}: leave cache_implementation unset.")
+
+
+def static_capacity(needed: int) -> int:
+    """A static cache's capacity for `needed` entries: the next multiple of `STATIC_BUCKET`."""
+    return -(-needed // STATIC_BUCKET) * STATIC_BUCKET
+
+
+def compile_options(config: GenerationConfig, target: PreTrainedModel) -> dict | None:
+    """`torch.compile` options for the static mode where transformers' `generate` compiles a static cache
+    (CUDA/XPU, or `compile_config._compile_all_devices`; never with `disable_compile`), else None."""
+    compile_config = config.compile_config
+    compile = not config.disable_compile and (
+        target.device.type in ("cuda", "xpu") or bool(compile_config and compile_config._compile_all_devices))
+    return (compile_config or CompileConfig()).to_dict() if compile else None
 
 
 def load_draft(path_or_id: str | os.PathLike, **kwargs: Any) -> ConFuDraftModel:
@@ -339,20 +392,26 @@ def _describe(model: PreTrainedModel | None) -> str:
     return f"the {type(model).__name__}" + (f" loaded from {name!r}" if name else f" at {id(model):#x}")
 
 
-def _wrap_generate(model: PreTrainedModel) -> None:
-    """Route `model.generate(assistant_model=<ConFuAssistant>)` to the assistant (once per instance)."""
+def wrap_generate(model: PreTrainedModel) -> None:
+    """Route `model.generate(assistant_model=<ConFuAssistant or SuffixAssistant>)` to the assistant (once per
+    instance)."""
     if getattr(model.generate, "_confu_wrapped", False):
         return
     original = model.generate
 
     @functools.wraps(original)
     def generate(*args: Any, assistant_model: Any = None, **kwargs: Any):
-        if isinstance(assistant_model, ConFuAssistant):
+        if getattr(type(assistant_model), "routes_generate", False):  # ConFuAssistant, SuffixAssistant
             return assistant_model.generate(model, *args, **kwargs)
         return original(*args, assistant_model=assistant_model, **kwargs)
 
     generate._confu_wrapped = True
     model.generate = generate
+
+
+def _check_attention_mask(mask: torch.Tensor | None) -> None:
+    if mask is not None and not bool(mask.all()):
+        raise ValueError("Padded prompts are not supported (batch size 1): pass the prompt without padding.")
 
 
 def _generation_config(target: PreTrainedModel, kwargs: dict[str, Any]) -> GenerationConfig:

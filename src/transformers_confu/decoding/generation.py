@@ -32,6 +32,9 @@ from .tree import DraftTree, TreeDrafter, additive_mask, pad_keys
 from .verify import accept_greedy, accept_sampling
 
 
+SOURCE_NAMES = {1: "draft", 2: "suffix", 3: "both"}  # `DraftTree.sources` codes
+
+
 @dataclass
 class TreeBudget:
     """EAGLE-2 dynamic tree budget: levels drafted, children per node, nodes verified (root included)."""
@@ -47,7 +50,10 @@ class SpeculativeStats:
     (ConFu) counts the rounds whose last accepted node had a `[con]` (so f was renewed). `mode` is the loop
     that ran: `"eager"` (growing caches) or `"static"` (preallocated caches, fixed shapes, compiled where
     the generation config says so); `compile_seconds` is the part of `total_seconds` spent compiling
-    (the first call of a shape), `draft_seconds`/`verify_seconds` are host-side times (asynchronous on a GPU)."""
+    (the first call of a shape), `draft_seconds`/`verify_seconds` are host-side times (asynchronous on a GPU).
+    With suffix candidates, `accepted_by_source` counts the accepted drafted tokens (bonus tokens aside) by
+    origin, "draft", "suffix" or "both" (proposed by each), and `suffix_seconds` is the suffix lookups' part
+    of `draft_seconds`."""
 
     mode: str = "eager"
     compile_seconds: float = 0.0
@@ -55,6 +61,8 @@ class SpeculativeStats:
     target_forwards: int = 0
     accept_lengths: list[int] = field(default_factory=list)
     fresh_futures: int = 0
+    accepted_by_source: dict[str, int] = field(default_factory=dict)
+    suffix_seconds: float = 0.0
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
     total_seconds: float = 0.0
@@ -265,7 +273,7 @@ def speculative_generate(
         # Draft: catch up on the newly accepted tokens, then draft a tree under the last one.
         t0 = time.perf_counter()
         drafter.catch_up(next_ids, feats, at, future, count)
-        tree = drafter.propose(root, at, prior)
+        tree = drafter.propose(root, at, prior, output[0].numpy())
         ends = len(tree) if contemplate_nodes is None else min(contemplate_nodes, len(tree))
         cons = None if adapter is None else tree.likely_ends(ends)
         t1 = time.perf_counter()
@@ -280,8 +288,13 @@ def speculative_generate(
         next_ids = torch.cat([tree.tokens[path[1:]], root[None]]).scatter(0, size[None] - 1, root[None])[None]
         hit = None if cons is None else cons == last  # the [con] of the last accepted node, if it had one
         con_hit = torch.zeros_like(last) if hit is None else hit.any()[None].long()
-        read = torch.cat([size[None], con_hit, next_ids[0]]).tolist()  # the round's one host sync
+        origins = [] if tree.sources is None else [tree.sources[path]]
+        read = torch.cat([size[None], con_hit, next_ids[0], *origins]).tolist()  # the round's one host sync
         n, fresh, accepted = read[0], read[1], read[2 : 2 + read[0]]
+        if origins:
+            for origin in read[3 + next_ids.shape[1] : 2 + next_ids.shape[1] + n]:  # the path below the root
+                name = SOURCE_NAMES[origin]
+                stats.accepted_by_source[name] = stats.accepted_by_source.get(name, 0) + 1
         count = n if static is None else size
         verify.keep(path, at, count)
         prior = None

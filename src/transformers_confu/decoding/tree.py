@@ -13,6 +13,7 @@ tensors, chosen without a host sync, so a round can run under `torch.compile` an
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import DynamicCache
@@ -20,6 +21,9 @@ from transformers import DynamicCache
 from ..models.modeling_confu import ConFuDraftModel
 from ..utils.cache import keep_path, key_width, truncate_cache
 from ..utils.masks import to_additive
+
+if TYPE_CHECKING:
+    from .suffix import SuffixCandidates, SuffixProposer
 
 
 @dataclass
@@ -37,7 +41,11 @@ class DraftTree:
         max_depth: the deepest level the budget allows (paths hold at most `max_depth + 1` nodes).
         proposals: (N, D) per node, the draft distribution over the DRAFT vocabulary its children were
             drawn from (sampling only).
-        scores: (N,) the draft's cumulative log-probability of each node (root 0), if known.
+        scores: (N,) the draft's cumulative log-probability of each node (root 0), if known (suffix
+            candidates: their log acceptance estimate; -inf for padding nodes that nothing proposes).
+        point_from: the first column of `child_tokens` holding deterministic (point-mass) proposals, the
+            suffix candidates; None if there are none.
+        sources: (N,) where each node came from with suffix candidates: 0 the root, 1 drafted, 2 suffix, 3 both.
     """
 
     tokens: torch.Tensor
@@ -49,6 +57,8 @@ class DraftTree:
     max_depth: int
     proposals: torch.Tensor | None = None
     scores: torch.Tensor | None = None
+    point_from: int | None = None
+    sources: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return self.tokens.numel()
@@ -154,6 +164,8 @@ def draft_tree(
     temperature: float | None = None,
     future_slot: int | torch.Tensor | None = None,
     prior: torch.Tensor | None = None,
+    extra: SuffixCandidates | None = None,
+    pad: bool = True,
 ) -> DraftTree:
     """Draft a tree under `root`.
 
@@ -167,6 +179,8 @@ def draft_tree(
         future_slot: cache index of this round's `[f]` entry (ConFu), which every drafted token attends to.
         prior: optional (D,) log-probabilities over the draft vocabulary added to the first level's logits
             (ConFu's `[con]` prediction, already weighted).
+        extra: suffix candidates competing with the drafted ones for the same `total_tokens` (see `_select`).
+        pad: always `total_tokens` nodes (static shapes); else `extra`'s padding and duplicates are left out.
 
     `prefix`, `root_position` and `future_slot` are host ints or, on a static cache, 0-d device tensors: then
     the whole function has fixed shapes and no host reads, and the static mode compiles it as one graph.
@@ -204,41 +218,69 @@ def draft_tree(
         visible = torch.cat([visible[best // top_k], eye], dim=1)
         n_cand += top_k * top_k
     truncate_cache(cache, prefix)
-    return _select(draft, root, torch.cat(tokens), torch.cat(scores), torch.cat(parents), torch.cat(rows),
-                   torch.cat(row_children), None if q is None else torch.cat(row_q), total_tokens, depth)
+    levels = torch.cat([torch.ones(top_k, dtype=torch.long, device=device),
+                        torch.arange(2, depth + 1, device=device).repeat_interleave(top_k * top_k)])
+    return _select(root, draft.d2t[torch.cat(tokens)], torch.cat(scores), torch.cat(parents), levels,
+                   torch.cat(rows), torch.cat(row_children), None if q is None else torch.cat(row_q), total_tokens,
+                   depth, extra, pad)
 
 
-def _select(draft, root, tokens, scores, parents, rows, row_children, row_q, total_tokens, depth) -> DraftTree:
-    """Keep the best `total_tokens - 1` of the C candidates, on the device.
+def suffix_tree(root: torch.Tensor | int, extra: SuffixCandidates, total_tokens: int, pad: bool = True) -> DraftTree:
+    """A tree of suffix candidates alone (no draft): the best `total_tokens - 1` of them under `root`."""
+    device = extra.tokens.device
+    none = torch.empty(0, dtype=torch.long, device=device)
+    return _select(root, none, extra.scores[:0], none, none, torch.full((1,), -1, device=device),
+                   none.view(1, 0), None, total_tokens, 0, extra, pad)
+
+
+def _select(root, tokens, scores, parents, levels, rows, row_children, row_q, total_tokens, depth,
+            extra: SuffixCandidates | None = None, pad: bool = True) -> DraftTree:
+    """Keep the best `total_tokens - 1` of the C drafted candidates and the S suffix ones, on the device.
+
+    `tokens` (C,) target ids, `scores` log path probabilities, `parents` candidate ids (-1 the root),
+    `levels` depths; `rows` (R,) the expanded candidates (-1 the root), `row_children` (R, K) their
+    children, `row_q` (R, D) the draft distribution they came from. A suffix candidate on a drafted
+    candidate's path (same parent, same token) is merged into it, which keeps the better score; the others
+    become candidates C.. and their children's columns come after the draft's K (`point_from`).
 
     A child's score is never above its parent's and its candidate id is larger, so a stable sort ranks
-    every parent before its children: the kept set is a tree. `rows` (R,) are the expanded candidates (-1
-    the root), `row_children` (R, K) their children, `row_q` (R, D) the draft distribution they came from.
+    every parent before its children: the kept set is a tree.
     """
-    n_cand, device = tokens.numel(), tokens.device
+    device, width = scores.device, row_children.shape[1]
+    n_draft, origins = tokens.numel(), None
+    if extra is not None:
+        tokens, scores, parents, levels, origins, s_parents, live = _merge(tokens, scores, parents, levels, extra)
+        depth = max(depth, extra.max_depth)
+    n_cand = tokens.numel()
     keep = min(total_tokens - 1, n_cand)
+    if not pad:  # host read: leave out padding and merged duplicates
+        keep = min(keep, int(torch.isfinite(scores).sum()))
     chosen = torch.argsort(scores, descending=True, stable=True)[:keep].sort().values
     node_of = torch.full((n_cand + 1,), -1, dtype=torch.long, device=device)  # candidate + 1 -> node
     node_of[0] = 0
     node_of[chosen + 1] = torch.arange(1, keep + 1, device=device)
     node_parents = torch.cat([node_of.new_zeros(1), node_of[parents[chosen] + 1]])
-    levels = torch.cat([torch.ones(row_children.shape[1], dtype=torch.long, device=device),
-                        torch.arange(2, depth + 1, device=device).repeat_interleave(row_children.shape[1] ** 2)])
     depths = torch.cat([levels.new_zeros(1), levels[chosen]])
     root = torch.as_tensor(root, device=device).reshape(1)
-    d2t = draft.d2t
-    # children tables: rows of expanded candidates that were not kept land in a spare row N, dropped after
+    # children tables: rows of candidates that were not kept land in a spare row N, dropped after
     row_nodes = node_of[rows + 1]
     row_nodes = row_nodes.masked_fill(row_nodes < 0, keep + 1)
-    child_tokens = torch.full((keep + 2, row_children.shape[1]), -1, dtype=torch.long, device=device)
+    columns = width + (0 if extra is None else extra.branch)
+    child_tokens = torch.full((keep + 2, columns), -1, dtype=torch.long, device=device)
     child_nodes = child_tokens.clone()
-    child_tokens.index_copy_(0, row_nodes, d2t[tokens[row_children]])
-    child_nodes.index_copy_(0, row_nodes, node_of[row_children + 1])
+    child_tokens[:, :width].index_copy_(0, row_nodes, tokens[row_children])
+    child_nodes[:, :width].index_copy_(0, row_nodes, node_of[row_children + 1])
+    if extra is not None:
+        s_rows = node_of[s_parents + 1]
+        s_rows = torch.where(live & (s_rows >= 0), s_rows, keep + 1)
+        s_cols = width + extra.ranks
+        child_tokens[s_rows, s_cols] = extra.tokens
+        child_nodes[s_rows, s_cols] = node_of[n_draft + 1 + torch.arange(extra.tokens.numel(), device=device)]
     proposals = None
     if row_q is not None:
         proposals = row_q.new_zeros(keep + 2, row_q.shape[1]).index_copy_(0, row_nodes, row_q)[: keep + 1]
     return DraftTree(
-        tokens=torch.cat([root, d2t[tokens[chosen]]]),
+        tokens=torch.cat([root, tokens[chosen]]),
         parents=node_parents,
         depths=depths,
         ancestry=tree_ancestry(node_parents, depth),
@@ -247,7 +289,37 @@ def _select(draft, root, tokens, scores, parents, rows, row_children, row_q, tot
         max_depth=depth,
         proposals=proposals,
         scores=torch.cat([scores.new_zeros(1), scores[chosen]]),
+        point_from=None if extra is None else width,
+        sources=None if origins is None else torch.cat([origins.new_zeros(1), origins[chosen]]),
     )
+
+
+def _merge(tokens, scores, parents, levels, extra: SuffixCandidates):
+    """Append the suffix candidates to the drafted ones, merging each one that repeats a drafted node.
+
+    Returns the C + S candidates' tokens, scores, parents, levels and origins (1 drafted, 2 suffix, 3 both),
+    and per suffix candidate its parent's candidate id (-1 the root) and whether it stands as a node of its
+    own (not merged, not padding)."""
+    n_draft = tokens.numel()
+    none = torch.full_like(extra.parents, -2)
+    match = none  # the drafted candidate each suffix candidate repeats (-2: none)
+    on_root = extra.parents < 0
+    if n_draft:
+        for _ in range(extra.max_depth):  # parents precede children: one more level resolved per step
+            parent_match = torch.where(on_root, -1, match[extra.parents.clamp_min(0)])
+            same = (tokens[None] == extra.tokens[:, None]) & (parents[None] == parent_match[:, None])
+            match = torch.where(same.any(1), same.long().argmax(1), none)
+    merged = match >= 0
+    real = torch.isfinite(extra.scores)
+    origin = torch.ones_like(parents)  # 1 drafted, 2 suffix, 3 both
+    if n_draft:
+        scores = scores.scatter_reduce(0, match.clamp_min(0), extra.scores.masked_fill(~merged, -torch.inf), "amax")
+        origin = origin + 2 * torch.zeros_like(parents).scatter_reduce(0, match.clamp_min(0), merged.long(), "amax")
+    parent_match = torch.where(on_root, -1, match[extra.parents.clamp_min(0)])
+    s_parents = torch.where(on_root, -1, torch.where(parent_match >= 0, parent_match, n_draft + extra.parents))
+    return (torch.cat([tokens, extra.tokens]), torch.cat([scores, extra.scores.masked_fill(merged, -torch.inf)]),
+            torch.cat([parents, s_parents]), torch.cat([levels, extra.depths]), torch.cat([origin, 2 + 0 * s_parents]),
+            s_parents, real & ~merged)
 
 
 class TreeDrafter:
@@ -260,13 +332,20 @@ class TreeDrafter:
 
     `cache` is a `DynamicCache` (eager; lengths are host ints) or a static cache (lengths are 0-d device
     tensors); `calls` may replace `catch_up_step` and `draft_tree` by their compiled versions (static mode).
+    With a `suffix` proposer, its candidates for the context (prompt + accepted tokens) join each tree under
+    the same `total_tokens` (a hybrid tree).
     """
 
     def __init__(self, draft: ConFuDraftModel, depth: int, top_k: int, total_tokens: int,
-                 temperature: float | None = None, cache=None, calls: dict | None = None) -> None:
+                 temperature: float | None = None, cache=None, calls: dict | None = None,
+                 suffix: SuffixProposer | None = None) -> None:
         self.draft, self.depth, self.top_k, self.total_tokens = draft, depth, top_k, total_tokens
         self.temperature = temperature
+        self.pad = cache is not None  # a static cache: fixed shapes
         self.cache = DynamicCache() if cache is None else cache
+        self.suffix = suffix
+        if suffix is not None:
+            suffix.reset()
         calls = calls or {}
         self._catch_up, self._propose = calls.get("catch_up", catch_up_step), calls.get("propose", draft_tree)
         self.hidden: torch.Tensor | None = None
@@ -292,10 +371,13 @@ class TreeDrafter:
 
     @torch.no_grad()
     def propose(self, root: torch.Tensor | int, root_position: int | torch.Tensor,
-                prior: torch.Tensor | None = None) -> DraftTree:
-        """Draft a tree under `root` (at `root_position` in the target sequence); `prior` as in `draft_tree`."""
+                prior: torch.Tensor | None = None, context=None) -> DraftTree:
+        """Draft a tree under `root` (at `root_position` in the target sequence); `prior` as in `draft_tree`;
+        `context`: the host's token ids so far, root last (read by the suffix proposer only)."""
+        extra = None if self.suffix is None else self.suffix.candidates(context, self.hidden.device, self.pad)
         return self._propose(self.draft, self.cache, self.length, self.hidden, root, root_position, self.depth,
-                             self.top_k, self.total_tokens, self.temperature, self._future_slot, prior)
+                             self.top_k, self.total_tokens, self.temperature, self._future_slot, prior, extra,
+                             self.pad)
 
 
 def catch_up_step(draft: ConFuDraftModel, cache, next_ids: torch.LongTensor, features: torch.Tensor,

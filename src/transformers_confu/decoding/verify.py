@@ -42,6 +42,11 @@ def accept_sampling(tree: DraftTree, target_probs: torch.Tensor, d2t: torch.Tens
     leaving a node is distributed exactly as p. A pruned child (not verified) that is accepted still is
     an exact draw from p: it becomes the round's last token.
 
+    Suffix children (columns from `tree.point_from` on, after the drafted ones) are deterministic
+    proposals, a point mass on their token x: accepted with probability p_i(x), on rejection
+    p_{i+1} = norm(p_i with x zeroed), an exact step as well; none repeats a drafted sibling (the tree
+    merges such duplicates), and a drafted sibling rejected earlier has no residual mass left anyway.
+
     The walk has a fixed number of steps (depth x children) of masked tensor operations: a finished walk
     keeps its state.
 
@@ -54,22 +59,26 @@ def accept_sampling(tree: DraftTree, target_probs: torch.Tensor, d2t: torch.Tens
     node = torch.zeros((), dtype=torch.long, device=device)
     walking = torch.ones((), dtype=torch.bool, device=device)
     token = torch.zeros((), dtype=torch.long, device=device)
+    drafted = tree.child_tokens.shape[1] if tree.point_from is None else tree.point_from
     for _ in range(tree.path_size):
         p = target_probs[node].float()
-        q = torch.zeros_like(p).index_copy_(0, d2t, tree.proposals[node].float())
+        q = None if drafted == 0 else torch.zeros_like(p).index_copy_(0, d2t, tree.proposals[node].float())
         found = torch.zeros((), dtype=torch.bool, device=device)
         child = torch.full((), -1, dtype=torch.long, device=device)
         for k in range(tree.child_tokens.shape[1]):
             candidate = tree.child_tokens[node, k]
             tried = ~found & (candidate >= 0)
             x = candidate.clamp_min(0)
-            accept = tried & (torch.rand((), device=device) * q[x] < p[x])
+            if k < drafted:  # drawn from q without replacement
+                accept = tried & (torch.rand((), device=device) * q[x] < p[x])
+                residual = _normalize((p - q).clamp_min(0), fallback=p)
+                q = torch.where(tried & ~accept, _normalize(q.index_fill(0, x[None], 0), fallback=q), q)
+            else:  # a point mass on x: accepted with probability p(x), else x leaves the residual
+                accept = tried & (torch.rand((), device=device) < p[x])
+                residual = without_token(p, x)
             token = torch.where(walking & accept, x, token)
             child = torch.where(accept, tree.child_nodes[node, k], child)
-            rejected = tried & ~accept
-            residual = _normalize((p - q).clamp_min(0), fallback=p)
-            q_next = _normalize(q.index_fill(0, x[None], 0), fallback=q)
-            p, q = torch.where(rejected, residual, p), torch.where(rejected, q_next, q)
+            p = torch.where(tried & ~accept, residual, p)
             found = found | accept
         drawn = torch.multinomial(p, 1)[0]
         token = torch.where(walking & ~found, drawn, token)
@@ -77,6 +86,11 @@ def accept_sampling(tree: DraftTree, target_probs: torch.Tensor, d2t: torch.Tens
         node = torch.where(go_on, child, node)
         walking = go_on
     return path_to(tree, node), tree.depths[node] + 1, token
+
+
+def without_token(p: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """The residual after a point-mass proposal of token `x` is rejected: p with x zeroed, renormalised."""
+    return _normalize(p.index_fill(0, x[None], 0), fallback=p)
 
 
 def _normalize(x: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:

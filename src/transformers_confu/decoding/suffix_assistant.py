@@ -1,0 +1,122 @@
+"""`SuffixAssistant`: draft-free speculative decoding for any causal LM, through the same call.
+
+    assistant = SuffixAssistant(model)                       # the sequence itself (prompt + answer so far)
+    assistant = SuffixAssistant(model, corpus="my_corpus/")  # and a corpus of the model's own past answers
+    out = model.generate(**inputs, assistant_model=assistant)
+
+Each round verifies a tree of suffix candidates (`suffix.SuffixProposer`) in one target pass and accepts
+with the same rules as the draft's trees (greedy identical to plain `generate`; sampling exact: each suffix
+candidate is a point-mass proposal). No draft model runs, so a round costs one target pass and a lookup.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from transformers import PreTrainedModel
+
+from ..utils.cache import keep_path, static_cache, truncate_cache
+from .assistant import (
+    _check_attention_mask,
+    _generation_config,
+    _max_new_tokens,
+    check_full_attention,
+    checked_input_ids,
+    compile_options,
+    static_capacity,
+    wrap_generate,
+)
+from .generation import SpeculativeStats, StaticTarget, TreeBudget, speculative_generate
+from .suffix import CorpusIndex, SuffixProposer, load_proposer
+from .tree import DraftTree, suffix_tree
+
+DEFAULT_TOTAL_TOKENS = 8  # nodes verified per round, root included (measured: results/suffix_*.md)
+
+
+class SuffixDrafter:
+    """The decoding loop's drafter without a draft: each tree holds suffix candidates alone."""
+
+    d2t = None  # no draft vocabulary: every child is a point-mass proposal
+
+    def __init__(self, proposer: SuffixProposer, total_tokens: int, pad: bool) -> None:
+        self.proposer, self.total_tokens, self.pad = proposer, total_tokens, pad
+        proposer.reset()
+
+    def catch_up(self, next_ids, features, length, future=None, count=None) -> None:
+        """Nothing to feed: the proposer reads the context in `propose`."""
+
+    def propose(self, root: torch.Tensor | int, root_position, prior=None, context=None) -> DraftTree:
+        device = root.device if torch.is_tensor(root) else "cpu"
+        candidates = self.proposer.candidates(context, device, self.pad)
+        return suffix_tree(root, candidates, self.total_tokens, self.pad)
+
+
+class SuffixAssistant:
+    """Suffix drafting bound to a target model, usable as `model.generate(..., assistant_model=self)`.
+
+    Args:
+        model: any causal LM (batch size 1).
+        corpus: None (the sequence itself only), a corpus folder or Hub id (built with
+            `python -m transformers_confu.training.suffix_corpus`), or a `CorpusIndex`.
+        tokenizer: checks that the corpus was built with the model's tokenizer (default: the one saved with
+            the model, `model.config.name_or_path`).
+        total_tokens: nodes verified per round (root included); a call can override it with
+            `tree_total_tokens=`.
+        **settings: `SuffixProposer` options (`max_depth`, `branch`, `max_match`, ...).
+
+    Attributes: `proposer` (the `SuffixProposer`), `stats` (`SpeculativeStats` of the last call).
+    """
+
+    routes_generate = True  # `model.generate(assistant_model=self)` runs `self.generate`
+
+    def __init__(self, model: PreTrainedModel, corpus: str | os.PathLike | CorpusIndex | None = None,
+                 tokenizer=None, total_tokens: int = DEFAULT_TOTAL_TOKENS, **settings: Any) -> None:
+        if total_tokens < 2:
+            raise ValueError(f"total_tokens={total_tokens}: a suffix tree needs at least 2 nodes (the root and one).")
+        settings.setdefault("max_nodes", total_tokens - 1)
+        self.proposer = load_proposer(True if corpus is None else corpus, model, tokenizer, **settings)
+        self.target, self.total_tokens = model, total_tokens
+        self.stats = SpeculativeStats()
+        self._static: dict | None = None
+        wrap_generate(model)
+
+    def generate(self, target: PreTrainedModel, input_ids: torch.LongTensor | None = None, **kwargs: Any):
+        """Run suffix speculative decoding; called through `target.generate(assistant_model=self)`."""
+        input_ids = checked_input_ids(self.target, target, kwargs.pop("inputs", input_ids), "`SuffixAssistant(model)`")
+        total = kwargs.pop("tree_total_tokens", self.total_tokens)
+        if total < 2:
+            raise ValueError(f"tree_total_tokens={total}: a suffix tree needs at least 2 nodes.")
+        _check_attention_mask(kwargs.pop("attention_mask", None))
+        tokenizer, streamer = kwargs.pop("tokenizer", None), kwargs.pop("streamer", None)
+        config = _generation_config(target, kwargs)
+        budget = TreeBudget(depth=self.proposer.max_depth, top_k=self.proposer.branch, total_tokens=total)
+        max_new = _max_new_tokens(config, input_ids.shape[1], budget, target)
+        self.stats = SpeculativeStats()
+        static = None
+        if config.cache_implementation == "static":
+            static, self.stats.mode = self._static_target(config, input_ids.shape[1] + max_new + 2 * total + 2), "static"
+        elif config.cache_implementation not in (None, "dynamic"):
+            raise ValueError(f"cache_implementation={config.cache_implementation!r} is not supported with a suffix "
+                             "assistant: use 'static' or leave it unset.")
+        layers = [target.config.num_hidden_layers]  # the loop reads features; nothing uses them here
+        output = speculative_generate(target, SuffixDrafter(self.proposer, total, static is not None), layers,
+                                      input_ids, config, max_new, self.stats, tokenizer, streamer, static=static)
+        self.stats.suffix_seconds = self.proposer.seconds
+        return output
+
+    def _static_target(self, config, needed: int) -> StaticTarget:
+        """The target's static cache (and compiled calls, where transformers compiles), kept for later calls of
+        the same capacity and compile settings."""
+        check_full_attention(self.target)
+        options = compile_options(config, self.target)
+        key = (static_capacity(needed), repr(options))
+        if self._static is not None and self._static["key"] == key:
+            truncate_cache(self._static["target"].cache, 0)
+            return self._static["target"]
+        cache = static_cache(self.target.config.num_hidden_layers, key[0])
+        static = (StaticTarget(cache, torch.compile(self.target, **options), torch.compile(keep_path, **options))
+                  if options is not None else StaticTarget(cache, self.target))
+        self._static = {"key": key, "target": static}
+        return static

@@ -1,0 +1,40 @@
+"""confu-bench's suffix methods (SuffixAssistant, hybrid trees) end to end on a tiny target."""
+
+from __future__ import annotations
+
+import json
+
+from conftest import tiny_target, tiny_tokenizer
+from test_bench import write_questions
+
+from transformers_confu import ConFuAssistant, ConFuDraftConfig
+from transformers_confu.benchmark.bench import main
+from transformers_confu.decoding.suffix_index import CorpusIndex, tokenizer_fingerprint
+
+
+def test_bench_runs_suffix_and_hybrid_methods_and_reports_sources(tmp_path):
+    target, tokenizer = tiny_target(), tiny_tokenizer()
+    target.save_pretrained(tmp_path / "target")
+    tokenizer.save_pretrained(tmp_path / "target")
+    ConFuAssistant.from_config(ConFuDraftConfig.for_target(target, draft_vocab_size=64), target).save_pretrained(
+        tmp_path / "draft")
+    corpus = CorpusIndex.build([[3, 4, 5, 6, 7, 8], [9, 10, 11]], dict(tokenizer_fingerprint=tokenizer_fingerprint(tokenizer)))
+    corpus.save_pretrained(tmp_path / "corpus")
+    out = tmp_path / "res" / "bench"
+    summary = main(["--target", str(tmp_path / "target"), "--drafts", str(tmp_path / "draft"), "--questions",
+                    str(write_questions(tmp_path / "q.jsonl")), "--max-new-tokens", "12", "--trees", "2,1,3",
+                    "--prompt-lookup", "0", "--suffix", "suffix,suffix-corpus,hybrid", "--suffix-corpus",
+                    str(tmp_path / "corpus"), "--suffix-tokens", "4,6", "--hybrid-trees", "2,1,6,3",
+                    "--auto-tree", "--auto-candidates", "2,1,3;2,1,5,2", "--auto-questions", "1", "--out", str(out)])
+    names = list(summary["table"])
+    assert names[:6] == ["generate", "suffix:n4", "suffix:n6", "suffix-corpus:n4", "suffix-corpus:n6",
+                         "eagle3:draft:d2k1n3"]
+    assert "eagle3-hybrid:draft:d2k1n6s3" in names
+    assert summary["mismatches"] == {}
+    cell = summary["table"]["eagle3-hybrid:draft:d2k1n6s3"]["overall"]
+    assert cell["identical"] is True and cell["suffix_ms_per_round"] >= 0
+    assert "accepted_by_source" not in summary["table"]["eagle3:draft:d2k1n3"]["overall"]  # the draft runs alone
+    text = out.with_suffix(".md").read_text()
+    assert "## Accepted tokens by source" in text and "| suffix:n4 |" in text
+    row = json.loads((tmp_path / "res" / "bench_answers" / "suffix_n4.jsonl").read_text().splitlines()[0])
+    assert "accepted_by_source" in row["choices"][0]
