@@ -99,7 +99,7 @@ def test_eos_rows_padded_as_plain_generate():
         out, stats = oracle_batch(target, ids, mask, free, 40, eos_token_id=eos)
         config = dict(eos_token_id=eos, pad_token_id=pad)
         spec = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=40,
-                               assistant_model=assistant, **config)
+                               assistant_model=assistant, tree_depth=2, **config)
         assert torch.equal(spec, ref)
         if pad == 0:
             assert torch.equal(out, ref)
@@ -135,7 +135,7 @@ def test_stop_strings_without_eos_keep_decoding_as_plain_generate():
     out, _ = oracle_batch(target, ids, mask, free, 40, stop_strings=[stop], tokenizer=tokenizer)
     assert torch.equal(out, ref)
     out = plain(target, ids, mask, max_new_tokens=40, stop_strings=[stop], tokenizer=tokenizer,
-                assistant_model=assistant)
+                assistant_model=assistant, tree_depth=2)
     assert torch.equal(out, ref)
 
 
@@ -152,7 +152,8 @@ def test_rows_match_batch_one_generate_where_plain_batched_does(arch):
     target = tiny_target(arch)
     assistant = make_assistant(target)
     ids, mask = left_padded(11, [4, 10, 7, 1, 12])
-    out = plain(target, ids, mask, max_new_tokens=20, assistant_model=assistant)
+    out = plain(target, ids, mask, max_new_tokens=20, assistant_model=assistant, tree_depth=2, tree_top_k=1,
+                tree_total_tokens=3)
     batch = plain(target, ids, mask, max_new_tokens=20)
     same = 0
     for row in range(ids.shape[0]):
@@ -237,15 +238,19 @@ def test_sliding_window_targets_refused_for_batches():
 
 
 def test_auto_budget_policy_and_plain_fallback():
-    saved = TreeBudget(depth=4, top_k=2, total_tokens=6)
+    saved = TreeBudget(depth=3, top_k=2, total_tokens=6)
     assert batch_budget(saved, 1) == saved
-    assert batch_budget(saved, 4) == TreeBudget(depth=2, top_k=1, total_tokens=3)
-    assert batch_budget(saved, 64) is None
+    assert batch_budget(saved, 2) == TreeBudget(depth=3, top_k=1, total_tokens=4)
+    assert batch_budget(saved, 4) is None  # this CPU: plain generate
+    assert batch_budget(saved, 16, "cuda") == TreeBudget(depth=3, top_k=1, total_tokens=4)
+    assert batch_budget(saved, 64, "cuda") is None
     target = tiny_target()
     assistant = make_assistant(target)
-    ids, mask = left_padded(5, [3, 6] * 8)
+    ids, mask = left_padded(5, [3, 6, 2, 5])
     ref = plain(target, ids, mask, max_new_tokens=6)
     assert torch.equal(plain(target, ids, mask, max_new_tokens=6, assistant_model=assistant), ref)
-    assert assistant.stats.mode == "plain" and assistant.stats.new_tokens == 6 * 16
+    assert assistant.stats.mode == "plain" and assistant.stats.new_tokens == 6 * 4
     out = plain(target, ids, mask, max_new_tokens=6, assistant_model=assistant, tree_depth=2)  # an explicit budget
     assert torch.equal(out, ref) and assistant.stats.mode == "eager"
+    out = plain(target, ids[:2], mask[:2], max_new_tokens=6, assistant_model=assistant)  # batch 2: a chain
+    assert torch.equal(out, plain(target, ids[:2], mask[:2], max_new_tokens=6)) and assistant.stats.mode == "eager"

@@ -41,14 +41,22 @@ class BatchStats(SpeculativeStats):
     row_accept_lengths: list[list[int]] = field(default_factory=list)
 
 
-def batch_budget(budget: TreeBudget, batch_size: int) -> TreeBudget | None:
-    """The `auto` tree budget for a batch: chains above batch 1, shorter as the batch grows, and plain decoding
-    (None) where speculation stops paying (measured on a 2-core CPU: results/batched_policy.md)."""
+# Batches up to this size draft a chain, by device type; larger ones run plain `generate`. CPU: measured on this
+# project's 2-core machine (results/batched_policy.md); other devices: not measured here, the literature's figure
+# (SGLang reports EAGLE-3 chains still paying at batch 32 on one GPU).
+CHAINS_UP_TO = {"cpu": 2}
+CHAINS_UP_TO_ELSEWHERE = 32
+
+
+def batch_budget(budget: TreeBudget, batch_size: int, device_type: str = "cpu") -> TreeBudget | None:
+    """The `auto` budget for a batch: `budget` at batch 1; above it a chain of `budget.depth` (a tree's verify pass
+    is B x nodes wide, and its draft runs row by row) up to the device's `CHAINS_UP_TO`; None (plain `generate`)
+    beyond, where speculation stops paying."""
     if batch_size == 1:
         return budget
-    if batch_size > 8:
+    if batch_size > CHAINS_UP_TO.get(device_type, CHAINS_UP_TO_ELSEWHERE):
         return None
-    return TreeBudget(depth=min(budget.depth, 2), top_k=1, total_tokens=min(budget.depth, 2) + 1)
+    return TreeBudget(depth=budget.depth, top_k=1, total_tokens=budget.depth + 1)
 
 
 class RowCache:
@@ -432,7 +440,7 @@ def generate_batch(assistant, target: PreTrainedModel, input_ids: torch.LongTens
                          f"types {sorted(set(layer_types))}: generate one prompt at a time.")
     mask = _left_padding_mask(input_ids, attention_mask, config)
     stats = assistant.stats = BatchStats()
-    budget = batch_budget(assistant.budget, batch) if budget is None else budget
+    budget = batch_budget(assistant.budget, batch, target.device.type) if budget is None else budget
     if budget is None:
         start = time.perf_counter()
         output = type(target).generate(target, input_ids, attention_mask=mask, generation_config=config,
