@@ -21,8 +21,8 @@ def test_batched_bench_compares_each_budget_with_plain_batched_generate(tmp_path
     out = tmp_path / "bench"
     summary = main(["--target", str(tmp_path / "target"), "--drafts", str(tmp_path / "draft"), "--questions",
                     str(write_questions(tmp_path / "q.jsonl", n=5)), "--max-new-tokens", "10", "--trees",
-                    "2,1,3;3,2,5", "--batch-size", "2", "--out", str(out)])
-    methods = ["generate", "eagle3:draft:auto", "eagle3:draft:d2k1n3", "eagle3:draft:d3k2n5"]
+                    "2,1,3;3,2,5", "--batch-size", "2", "--static-baseline", "--out", str(out)])
+    methods = ["generate", "generate-static", "eagle3:draft:auto", "eagle3:draft:d2k1n3", "eagle3:draft:d3k2n5"]
     assert list(summary["table"]) == methods and summary["mismatches"] == {}
     assert summary["meta"]["batch_size"] == 2 and "in batches of 2 first turns" in out.with_suffix(".md").read_text()
     for name in methods:

@@ -31,14 +31,19 @@ class BatchMethod:
     run: Callable[[torch.LongTensor, torch.Tensor, int], tuple[torch.LongTensor, list[list[int]] | None]]
 
 
-def batch_methods(model, drafts: list[str], trees: list[tuple[int, int, int]], sampling: dict) -> list[BatchMethod]:
-    """Plain batched `generate` (the reference), then per draft its `auto` budget for the batch (the draft's own
-    budget under `batched.batch_budget`) and each of `trees` as it is."""
+def batch_methods(model, drafts: list[str], trees: list[tuple[int, int, int]], sampling: dict,
+                  static: dict | None = None) -> list[BatchMethod]:
+    """Plain batched `generate` (the reference) and, with `static` (its `generate` options: a static cache, compiled
+    on CUDA), `generate-static`; then per draft its `auto` budget for the batch (the draft's own budget under
+    `batched.batch_budget`) and each of `trees` as it is (the batched loop is eager)."""
 
-    def plain(ids, mask, n):
-        return model.generate(ids, attention_mask=mask, max_new_tokens=n, **sampling), None
+    def plain(options):
+        return lambda ids, mask, n: (model.generate(ids, attention_mask=mask, max_new_tokens=n, **options, **sampling),
+                                     None)
 
-    methods = [BatchMethod("generate", plain)]
+    methods = [BatchMethod("generate", plain({}))]
+    if static is not None:
+        methods.append(BatchMethod("generate-static", plain(static)))
     for path in drafts:
         for budget in [None, *trees]:
             options = {} if budget is None else dict(zip(("depth", "top_k", "total_tokens"), budget))
@@ -81,7 +86,7 @@ def answer_batch(method: BatchMethod, tokenizer, questions: list[dict], max_new_
     records = []
     for row, (question, length) in enumerate(zip(questions, real_lengths(new, eos_ids).tolist())):
         tokens = new[row, :length]
-        accept = accepts[row] if accepts else [1] * max(length - 1, 0) if method.name == "generate" else []
+        accept = accepts[row] if accepts else [1] * max(length - 1, 0) if method.name.startswith("generate") else []
         records.append(dict(question_id=question["question_id"], category=question["category"], model_id=method.name,
                             choices=[dict(index=0, turns=[tokenizer.decode(tokens, skip_special_tokens=True)],
                                           new_tokens=[length], wall_time=[seconds], accept_lengths=accept,

@@ -445,7 +445,8 @@ def _main(args: argparse.Namespace, argv) -> dict:
     if not set(loops) <= {"eager", "static"}:
         raise SystemExit(f"--loops {args.loops!r}: choose among eager, static.")
     if args.batch_size > 1:
-        methods = batch_methods(model, args.drafts, trees, sampling)
+        methods = batch_methods(model, args.drafts, trees, sampling,
+                                static_options(args.compile) if args.static_baseline else None)
         records, mismatches, warmup = run_batches(model, tokenizer, methods, questions, args.max_new_tokens,
                                                   args.seed, greedy, args.batch_size, divergence)
     else:
