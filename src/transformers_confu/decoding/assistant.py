@@ -268,12 +268,13 @@ class ConFuAssistant:
             truncate_cache(parts["target"].cache, 0)
             truncate_cache(parts["draft_cache"], 0)
             return parts
-        cache = static_cache(self.target.config.num_hidden_layers, capacity)
+        filled = not compile and self.target.device.type == "cpu"  # uncompiled: attend over filled positions only
+        cache = static_cache(self.target.config.num_hidden_layers, capacity, filled)
         parts = {
             "key": key,
             "target": StaticTarget(cache, torch.compile(self.target, **options), torch.compile(keep_path, **options))
             if compile else StaticTarget(cache, self.target),
-            "draft_cache": static_cache(1, capacity),
+            "draft_cache": static_cache(1, capacity, filled),
             "draft_calls": {"catch_up": torch.compile(catch_up_step, **options),
                             "propose": torch.compile(draft_tree, **options)} if compile else None,
         }

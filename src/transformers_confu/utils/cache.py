@@ -20,22 +20,40 @@ def is_static(cache: Cache) -> bool:
     return bool(cache.layers) and isinstance(cache.layers[0], StaticLayer)
 
 
-def static_cache(num_layers: int, capacity: int) -> Cache:
+class FilledStaticLayer(StaticLayer):
+    """A `StaticLayer` whose attention sees its filled positions only, not its whole capacity: for the
+    uncompiled static mode on a CPU, where fixed shapes buy nothing and the spare room of a bucketed capacity
+    would cost attention time in every pass. Keys and values keep their one preallocated buffer (reading the
+    fill level is free on a CPU; under `torch.compile` it would break the graph: use `StaticLayer` there)."""
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        keys, values = super().update(key_states, value_states, *args, **kwargs)
+        end = int(self.cumulative_length)
+        return keys[:, :, :end], values[:, :, :end]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return int(self.get_seq_length()) + query_length, 0
+
+
+def static_cache(num_layers: int, capacity: int, filled_only: bool = False) -> Cache:
     """A cache of `num_layers` preallocated layers of `capacity` positions (allocated at the first write):
-    keys and values keep one address for the whole generation, as CUDA graphs need."""
+    keys and values keep one address for the whole generation, as CUDA graphs need. `filled_only`: attention
+    sees the filled positions only (`FilledStaticLayer`, uncompiled on a CPU)."""
     if not hasattr(StaticLayer(1), "cumulative_length"):
         raise RuntimeError("The static mode needs transformers' StaticLayer.cumulative_length (transformers >= 5.23).")
-    return Cache(layers=[StaticLayer(max_cache_len=capacity) for _ in range(num_layers)])
+    layer = FilledStaticLayer if filled_only else StaticLayer
+    return Cache(layers=[layer(max_cache_len=capacity) for _ in range(num_layers)])
 
 
 def key_width(cache: Cache, needed: int | torch.Tensor) -> int:
     """Width of the key axis an attention mask must have after writing up to `needed` positions: the
-    capacity of a static cache (checked against `needed` when it is a host int), else `needed`."""
+    capacity of a static cache (checked against `needed` when it is a host int), else `needed` (as a host int
+    for a `FilledStaticLayer` cache)."""
     if is_static(cache):
         capacity = cache.layers[0].max_cache_len
         if isinstance(needed, int) and needed > capacity:
             raise ValueError(f"The static cache holds {capacity} positions, {needed} are needed.")
-        return capacity
+        return int(needed) if isinstance(cache.layers[0], FilledStaticLayer) else capacity
     return needed
 
 
