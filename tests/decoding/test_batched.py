@@ -240,8 +240,8 @@ def test_sliding_window_targets_refused_for_batches():
 def test_auto_budget_policy_and_plain_fallback():
     saved = TreeBudget(depth=3, top_k=2, total_tokens=6)
     assert batch_budget(saved, 1) == saved
-    assert batch_budget(saved, 2) == TreeBudget(depth=3, top_k=1, total_tokens=4)
-    assert batch_budget(saved, 4) is None  # this CPU: plain generate
+    assert batch_budget(saved, 2) == TreeBudget(depth=1, top_k=1, total_tokens=2)  # this CPU: a short chain
+    assert batch_budget(saved, 4) is None  # then plain generate
     assert batch_budget(saved, 16, "cuda") == TreeBudget(depth=3, top_k=1, total_tokens=4)
     assert batch_budget(saved, 64, "cuda") is None
     target = tiny_target()

@@ -41,22 +41,25 @@ class BatchStats(SpeculativeStats):
     row_accept_lengths: list[list[int]] = field(default_factory=list)
 
 
-# Batches up to this size draft a chain, by device type; larger ones run plain `generate`. CPU: measured on this
-# project's 2-core machine (results/batched_policy.md); other devices: not measured here, the literature's figure
-# (SGLang reports EAGLE-3 chains still paying at batch 32 on one GPU).
-CHAINS_UP_TO = {"cpu": 2}
-CHAINS_UP_TO_ELSEWHERE = 32
+# Per device type: (the largest batch that drafts a chain, the chain's depth; None: the draft's saved depth);
+# larger batches run plain `generate`. CPU: measured on this project's 2-core machine (results/batched_policy.md:
+# depth 1 was the best chain at batches 2 and 4, and only at batch 2 did it reach plain batched `generate`);
+# other devices: not measured here, the literature's figure (SGLang's EAGLE-3 chains still pay at batch 32 on a GPU).
+CHAINS = {"cpu": (2, 1)}
+CHAINS_ELSEWHERE = (32, None)
 
 
 def batch_budget(budget: TreeBudget, batch_size: int, device_type: str = "cpu") -> TreeBudget | None:
-    """The `auto` budget for a batch: `budget` at batch 1; above it a chain of `budget.depth` (a tree's verify pass
-    is B x nodes wide, and its draft runs row by row) up to the device's `CHAINS_UP_TO`; None (plain `generate`)
+    """The `auto` budget for a batch: `budget` at batch 1; above it a chain (a tree's verify pass is B x nodes
+    wide, and its draft runs row by row) up to the device's largest batch in `CHAINS`; None (plain `generate`)
     beyond, where speculation stops paying."""
     if batch_size == 1:
         return budget
-    if batch_size > CHAINS_UP_TO.get(device_type, CHAINS_UP_TO_ELSEWHERE):
+    largest, depth = CHAINS.get(device_type, CHAINS_ELSEWHERE)
+    if batch_size > largest:
         return None
-    return TreeBudget(depth=budget.depth, top_k=1, total_tokens=budget.depth + 1)
+    depth = budget.depth if depth is None else min(depth, budget.depth)
+    return TreeBudget(depth=depth, top_k=1, total_tokens=depth + 1)
 
 
 class RowCache:
