@@ -85,8 +85,9 @@ def _dequantize_gguf() -> tuple[PreTrainedTokenizerBase, PreTrainedModel]:
 
 
 def hub_name(name_or_path: str) -> str:
-    """The name to record for a target that `load_target` loads: the default's Hub id, else `name_or_path`."""
-    return DEFAULT_TARGET_HUB_ID if name_or_path == DEFAULT_TARGET else name_or_path
+    """The name to record for a target that `load_target` loads (or its tokenizer, read from the de-quantized
+    copy): the default's Hub id, else `name_or_path`."""
+    return DEFAULT_TARGET_HUB_ID if name_or_path in (DEFAULT_TARGET, str(_dequantized_copy())) else name_or_path
 
 
 def tokenizer_path(name_or_path: str) -> str:

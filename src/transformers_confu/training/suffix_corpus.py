@@ -23,7 +23,7 @@ from pathlib import Path
 
 from ..decoding.suffix import SuffixProposer, calibrate, calibration_summary
 from ..decoding.suffix_index import CorpusIndex, tokenizer_fingerprint
-from ..models.target import DEFAULT_TARGET, tokenizer_path
+from ..models.target import DEFAULT_TARGET, hub_name, tokenizer_path
 from .data import Messages
 from .regenerate import prompt_key, read_responses
 
@@ -87,7 +87,7 @@ def build_corpus(rows: list[tuple[Messages | None, str]], tokenizer, calibration
         raise ValueError("The corpus is empty: the sources gave no non-empty answer.")
     every = max(2, round(1 / calibration_fraction)) if calibration_fraction > 0 else 0
     held = [i for i in range(len(answers)) if every and i % every == 0]
-    meta = dict(tokenizer_fingerprint=tokenizer_fingerprint(tokenizer), tokenizer_name=tokenizer.name_or_path)
+    meta = dict(tokenizer_fingerprint=tokenizer_fingerprint(tokenizer), tokenizer_name=hub_name(tokenizer.name_or_path))
     report = {}
     if held:
         rest = CorpusIndex.build([a for i, a in enumerate(answers) if i % every], meta)
