@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -156,7 +157,7 @@ def test_shipped_draft_remote_code_matches_the_package():
     from transformers_confu.models.target import CHECKPOINTS
 
     models = CHECKPOINTS.parent / "models"  # the package's own copies
-    folders = [f for f in CHECKPOINTS.iterdir() if (f / "config.json").is_file()]
+    folders = [f for f in CHECKPOINTS.iterdir() if "auto_map" in json.loads((f / "config.json").read_text())]
     assert folders
     for folder in folders:
         for name in ("configuration_confu.py", "modeling_confu.py"):

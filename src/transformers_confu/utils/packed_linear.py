@@ -27,7 +27,9 @@ from torch import nn
 
 __all__ = ["PackedLinear", "can_pack", "pack_linear_weights", "packed_kernels", "unpack_linear_weights"]
 
-PACKED_DTYPES = (torch.float32, torch.bfloat16)
+# bfloat16 weights pack only where oneDNN has bf16 kernels for this CPU (AVX-512 BW/VL/DQ or AVX-NE-CONVERT);
+# elsewhere bfloat16 layers run `F.linear`.
+PACKED_DTYPES = (torch.float32, torch.bfloat16) if torch.ops.mkldnn._is_mkldnn_bf16_supported() else (torch.float32,)
 _enabled = True
 
 
