@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
-from transformers_confu import ConFuAssistant, ConFuDraftConfig, load_target
+from transformers_confu import ConFuAssistant, ConFuDraftConfig, SuffixAssistant, load_target
 from transformers_confu.benchmark.questions import chat_input_ids
+from transformers_confu.decoding.suffix import SHIPPED_CORPUS
 from transformers_confu.models.target import CHECKPOINTS
 
 pytestmark = pytest.mark.slow
-SHIPPED = sorted(f.name for f in CHECKPOINTS.iterdir() if (f / "config.json").is_file())
+# The shipped drafts (the checkpoints folder also holds the suffix corpus, which is not a draft).
+SHIPPED = sorted(f.name for f in CHECKPOINTS.iterdir() if (f / "config.json").is_file()
+                 and json.loads((f / "config.json").read_text()).get("model_type") == "confu_draft")
 
 
 @pytest.fixture(scope="module")
@@ -58,3 +63,15 @@ def test_real_target_sampling_runs_and_stops_at_eos(real):
     out = model.generate(ids, max_new_tokens=64, do_sample=True, temperature=0.7, top_p=0.9, assistant_model=assistant)
     new = out[0, ids.shape[1]:].tolist()
     assert 0 < len(new) <= 64 and (tokenizer.eos_token_id not in new[:-1])
+
+
+@pytest.mark.parametrize("corpus", [None, SHIPPED_CORPUS], ids=["sequence", "shipped-corpus"])
+def test_real_target_suffix_assistant_greedy_identity(target, corpus):
+    """The draft-free assistant, with and without the shipped corpus of the target's own answers."""
+    model, tokenizer = target
+    assistant = SuffixAssistant(model, corpus=corpus)
+    ids = chat_input_ids(tokenizer, ["Translate to English: Der Hund schläft im Garten, weil es warm ist."])
+    ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=40, do_sample=False)
+    out = model.generate(ids, max_new_tokens=40, do_sample=False, assistant_model=assistant)
+    assert torch.equal(out, ref), tokenizer.decode(out[0, ids.shape[1]:])
+    assert assistant.stats.new_tokens == ref.shape[1] - ids.shape[1]
