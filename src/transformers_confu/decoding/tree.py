@@ -253,7 +253,7 @@ def _select(root, tokens, scores, parents, levels, rows, row_children, row_q, to
         depth = max(depth, extra.max_depth)
     n_cand = tokens.numel()
     keep = min(total_tokens - 1, n_cand)
-    if not pad:  # host read: leave out padding and merged duplicates
+    if extra is not None and not pad:  # host read (eager hybrid trees only): leave out padding and merged duplicates
         keep = min(keep, int(torch.isfinite(scores).sum()))
     chosen = torch.argsort(scores, descending=True, stable=True)[:keep].sort().values
     node_of = torch.full((n_cand + 1,), -1, dtype=torch.long, device=device)  # candidate + 1 -> node
