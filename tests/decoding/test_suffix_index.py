@@ -80,7 +80,8 @@ def test_corpus_saves_loads_memory_mapped_and_checks_the_tokenizer(tmp_path):
                                                             tokenizer_name="tiny"))
     index.save_pretrained(tmp_path / "corpus")
     loaded = CorpusIndex.from_pretrained(tmp_path / "corpus", tokenizer=tokenizer)
-    assert isinstance(loaded.tokens, np.memmap) and loaded.meta["documents"] == 2 and loaded.meta["tokens"] == 7
+    assert all(isinstance(a.base, np.memmap) for a in (loaded.tokens, loaded.suffix_array, loaded.keys))  # mapped views
+    assert loaded.meta["documents"] == 2 and loaded.meta["tokens"] == 7
     assert loaded.match([1, 4, 5], 4)[:1] == (2,) and loaded.match([4, 5, 99], 4)[0] == 0  # 99: above the ids
     with pytest.raises(ValueError, match="another tokenizer.*fingerprint.*Build a corpus with this model's tokenizer"):
         CorpusIndex.from_pretrained(tmp_path / "corpus", tokenizer=chat_tokenizer())

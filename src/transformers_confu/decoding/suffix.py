@@ -125,7 +125,7 @@ class SuffixProposer:
         if calibration is None and corpus is not None and "calibration" in corpus.meta:
             calibration = Calibration.from_dict(corpus.meta["calibration"])
         self.corpus, self.calibration = corpus, calibration or Calibration.empty()
-        self.estimates = self.calibration.table()
+        self.log_estimates = {cell: math.log(v) for cell, v in np.ndenumerate(self.calibration.table())}  # by cell
         self.max_nodes, self.max_depth, self.branch = max_nodes, max_depth, branch
         self.max_match, self.min_match, self.max_occurrences = max_match, min_match, max_occurrences
         self.sequence = SequenceIndex()
@@ -164,7 +164,7 @@ class SuffixProposer:
             for child in children.get(parent, ()):
                 cell = self.calibration.cell(source, length, counts[child] / counts[parent], counts[parent] * weight,
                                              len(child))
-                heapq.heappush(heap, (-(score + math.log(self.estimates[cell])), len(child), child, t))
+                heapq.heappush(heap, (-(score + self.log_estimates[cell]), len(child), child, t))
 
         for t in range(len(tries)):
             expand(t, (), 0.0)
@@ -203,12 +203,10 @@ class SuffixProposer:
         scores += [-math.inf] * missing
         ranks += [self.branch - 1] * missing
         depths += [1] * missing
-
-        def tensor(values, dtype=torch.long):
-            return torch.tensor(values, dtype=dtype, device=device)
-
-        found = SuffixCandidates(tensor(tokens), tensor(parents), tensor(scores, torch.float32), tensor(ranks),
-                                 tensor(depths), self.max_depth, self.branch)
+        # two host-to-device copies a round (one per dtype), not one per field
+        ids = torch.tensor([tokens, parents, ranks, depths], dtype=torch.long, device=device)
+        found = SuffixCandidates(ids[0], ids[1], torch.tensor(scores, dtype=torch.float32, device=device), ids[2],
+                                 ids[3], self.max_depth, self.branch)
         self.seconds += time.perf_counter() - start
         return found
 

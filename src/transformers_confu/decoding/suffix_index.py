@@ -131,9 +131,9 @@ class CorpusIndex:
                                         f"{Path(path_or_id).resolve()}) and no such Hub repository: {err}") from err
         try:
             meta = json.loads((folder / CORPUS_CONFIG).read_text())
-            tokens = np.load(folder / "tokens.npy", mmap_mode="r")
-            sa = np.load(folder / "suffix_array.npy", mmap_mode="r")
-            keys = np.load(folder / "prefix_keys.npy", mmap_mode="r")
+            # plain ndarray views of the maps: a `np.memmap` slice costs a Python-level subclass hop, per lookup step
+            tokens, sa, keys = (np.asarray(np.load(folder / f"{name}.npy", mmap_mode="r"))
+                                for name in ("tokens", "suffix_array", "prefix_keys"))
         except (OSError, ValueError) as err:
             raise OSError(f"{str(path_or_id)!r} is not a readable suffix corpus ({err}): it needs config.json, "
                           "tokens.npy, suffix_array.npy and prefix_keys.npy; build it again with "
