@@ -16,8 +16,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from transformers_confu.benchmark.bench import DEFAULT_SUFFIX_CORPUS
 from transformers_confu.benchmark.bench import main as bench
+from transformers_confu.decoding.suffix import SHIPPED_CORPUS
 
 HYBRIDS = "2,1,5,3;2,1,6,4;2,1,8,6;2,1,10,8;3,1,8,5;3,2,10,5;2,2,8,4"
 
@@ -27,7 +27,7 @@ def main(argv: list[str]) -> None:
     p.add_argument("--hybrid-trees", default=HYBRIDS, help="candidate hybrid budgets 'd,k,n,s;...'")
     p.add_argument("--draft-tree", default="2,1,3", help="the draft alone, for reference")
     p.add_argument("--suffix-tokens", default="6,8,12", help="SuffixAssistant widths (with the corpus)")
-    p.add_argument("--suffix-corpus", default=str(DEFAULT_SUFFIX_CORPUS))
+    p.add_argument("--suffix-corpus", default=str(SHIPPED_CORPUS))
     p.add_argument("--per-category", type=int, default=1)
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--temperature", type=float, default=0.0)

@@ -19,9 +19,8 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
-from transformers_confu.benchmark.bench import DEFAULT_SUFFIX_CORPUS
 from transformers_confu.benchmark.questions import DEFAULT_QUESTIONS, chat_input_ids, load_questions
-from transformers_confu.decoding.suffix import SuffixProposer, default_calibration
+from transformers_confu.decoding.suffix import SHIPPED_CORPUS, SuffixProposer, default_calibration
 from transformers_confu.decoding.suffix_index import CorpusIndex
 from transformers_confu.models.target import DEFAULT_TARGET, tokenizer_path
 
@@ -52,7 +51,7 @@ def main(argv=None) -> None:
     p.add_argument("answers", help="plain generate's Spec-Bench answer file (confu-bench <out>_answers/generate.jsonl)")
     p.add_argument("--questions", default=str(DEFAULT_QUESTIONS))
     p.add_argument("--target", default=DEFAULT_TARGET)
-    p.add_argument("--corpus", default=str(DEFAULT_SUFFIX_CORPUS))
+    p.add_argument("--corpus", default=str(SHIPPED_CORPUS))
     p.add_argument("--widths", default="4,6,8,12,16", help="nodes verified per round, root included")
     p.add_argument("--out", default="results/suffix_replay_dev")
     args = p.parse_args(argv)

@@ -30,8 +30,6 @@ from ..models.target import DEFAULT_DRAFT, DEFAULT_TARGET, load_target
 from ..utils.packed_linear import packed_kernels
 from .batch_bench import batch_methods, run_batches
 from .quality import quality_check, quality_markdown
-
-DEFAULT_SUFFIX_CORPUS = SHIPPED_CORPUS
 from .questions import (
     DEFAULT_QUESTIONS,
     PACKAGED_QUESTIONS,
@@ -64,10 +62,7 @@ def auto_tree(model, tokenizer, path: str, questions: list[dict], candidates: li
     """
     speeds = {}
     for budget in tqdm(candidates, desc="auto-tree calibration"):
-        depth, top_k, total, *nodes = budget
-        extra = dict(suffix=suffix_corpus, suffix_nodes=nodes[0]) if nodes else dict(suffix=False)
-        assistant = ConFuAssistant.from_pretrained(path, target_model=model, depth=depth, top_k=top_k,
-                                                   total_tokens=total, **extra)
+        assistant = _draft_assistant(model, path, budget, suffix_corpus)
         tokens = seconds = 0.0
         for question in questions:
             model.generate(chat_input_ids(tokenizer, question["turns"][:1]), max_new_tokens=max_new_tokens,
@@ -77,6 +72,14 @@ def auto_tree(model, tokenizer, path: str, questions: list[dict], candidates: li
         speeds[budget_name(budget)] = tokens / seconds
     best = max(candidates, key=lambda b: speeds[budget_name(b)])
     return best, speeds
+
+
+def _draft_assistant(model, path: str, budget: tuple[int, ...], suffix_corpus: str | None) -> ConFuAssistant:
+    """The draft at `budget`: (depth, top_k, total_tokens) alone, (..., suffix_nodes) a hybrid tree with `suffix_corpus`."""
+    depth, top_k, total, *nodes = budget
+    extra = dict(suffix=suffix_corpus, suffix_nodes=nodes[0]) if nodes else dict(suffix=False)
+    return ConFuAssistant.from_pretrained(path, target_model=model, depth=depth, top_k=top_k, total_tokens=total,
+                                          **extra)
 
 
 def budget_name(budget: tuple[int, ...]) -> str:
@@ -124,15 +127,12 @@ def build_methods(model, drafts: list[str], trees: list[tuple[int, int, int]], s
                 tag, options = ("", {}) if loop == "eager" else ("-static", static)
                 methods.append(Method(f"{name}{tag}:n{width}",
                                       _speculative(model, assistant, {**sampling, **options}), assistant))
-    budgets = [(False, (d, k, n)) for d, k, n in trees]
-    budgets += [(True, b) for b in hybrid_trees] if "hybrid" in suffix else []
+    budgets = list(trees) + (list(hybrid_trees) if "hybrid" in suffix else [])
     for path in drafts:
-        for hybrid, (depth, top_k, total, *nodes_) in budgets:
-            extra = dict(suffix=suffix_corpus, suffix_nodes=nodes_[0]) if hybrid else dict(suffix=False)
-            assistant = ConFuAssistant.from_pretrained(path, target_model=model, depth=depth, top_k=top_k,
-                                                       total_tokens=total, **extra)
-            tree = f"{Path(path).name}:{budget_name((depth, top_k, total, *nodes_))}"
-            kind = "-hybrid" if hybrid else ""
+        for budget in budgets:
+            assistant = _draft_assistant(model, path, budget, suffix_corpus)
+            tree = f"{Path(path).name}:{budget_name(budget)}"
+            kind = "-hybrid" if len(budget) > 3 else ""
             for loop in loops:
                 tag, options = ("", {}) if loop == "eager" else ("-static", static)
                 if not assistant.draft.config.contemplate:
@@ -162,8 +162,8 @@ def static_options(compile: str) -> dict:
 
 def _speculative(model, assistant, sampling: dict, contemplate_nodes: int | str | None = None):
     """A method running `assistant`; `contemplate_nodes` "saved" leaves the draft's own setting in place."""
-    adapter = getattr(assistant, "adapter", None) if isinstance(assistant, ConFuAssistant) else None
-    extra = {} if adapter is None or contemplate_nodes == "saved" else dict(contemplate_nodes=contemplate_nodes)
+    saved = getattr(assistant, "adapter", None) is None or contemplate_nodes == "saved"  # SuffixAssistant: no adapter
+    extra = {} if saved else dict(contemplate_nodes=contemplate_nodes)
 
     def run(ids, n):
         out = model.generate(ids, max_new_tokens=n, assistant_model=assistant, **sampling, **extra)
@@ -385,7 +385,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prompt-lookup", type=int, default=10, help="prompt-lookup tokens (0 = leave it out)")
     p.add_argument("--suffix", default="", help="suffix-drafting methods, comma-separated: suffix (SuffixAssistant, "
                    "the sequence itself), suffix-corpus (and the corpus), hybrid (each draft with both sources)")
-    p.add_argument("--suffix-corpus", default=str(DEFAULT_SUFFIX_CORPUS), help="suffix corpus folder or Hub id")
+    p.add_argument("--suffix-corpus", default=str(SHIPPED_CORPUS), help="suffix corpus folder or Hub id")
     p.add_argument("--suffix-tokens", default=str(DEFAULT_TOTAL_TOKENS),
                    help="SuffixAssistant: nodes verified per round (root included), comma-separated widths")
     p.add_argument("--hybrid-trees", default="2,1,8,6",
@@ -417,6 +417,9 @@ def _main(args: argparse.Namespace, argv) -> dict:
     greedy = args.temperature == 0
     sampling = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=args.temperature)
     trees, hybrid_trees = _budgets(args.trees), _budgets(args.hybrid_trees)
+    if any(len(b) != 3 for b in trees) or any(len(b) != 4 for b in hybrid_trees):
+        raise SystemExit("--trees takes 'depth,top_k,total_tokens;...', --hybrid-trees "
+                         "'depth,top_k,total_tokens,suffix_nodes;...'.")
     suffix = tuple(x.strip() for x in args.suffix.split(",") if x.strip())
     if not set(suffix) <= {"suffix", "suffix-corpus", "hybrid"}:
         raise SystemExit(f"--suffix {args.suffix!r}: choose among suffix, suffix-corpus, hybrid.")
