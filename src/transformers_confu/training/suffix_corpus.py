@@ -24,7 +24,7 @@ from pathlib import Path
 from ..decoding.suffix import SuffixProposer, calibrate, calibration_summary
 from ..decoding.suffix_index import CorpusIndex, tokenizer_fingerprint
 from ..models.target import DEFAULT_TARGET, hub_name, tokenizer_path
-from .data import Messages
+from .data import Messages, prompt_messages
 from .regenerate import prompt_key, read_responses
 
 ANSWER_FIELDS = ("response", "answer", "completion", "output", "text")
@@ -69,7 +69,7 @@ def read_rows(source: str | Path) -> Iterator[tuple[Messages | None, str]]:
 def _row(row: dict, where: Path) -> tuple[Messages | None, str]:
     messages = row.get("messages")
     if messages and messages[-1].get("role") == "assistant":
-        return messages[:-1] or None, messages[-1]["content"]
+        return prompt_messages(messages) or None, messages[-1]["content"]
     for name in ANSWER_FIELDS:
         if isinstance(row.get(name), str):
             return messages or None, row[name]
