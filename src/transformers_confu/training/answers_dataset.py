@@ -35,7 +35,7 @@ import pyarrow.parquet as pq
 import yaml
 
 from ..models.target import DEFAULT_TARGET, DEFAULT_TARGET_HUB_ID, tokenizer_path
-from .prompt_pool import SOURCES
+from .prompt_pool import SOURCES, read_jsonl
 from .regenerate import (
     RESPONSES_FILE,
     canonical_fingerprint,
@@ -84,6 +84,11 @@ def dataset_answers(folder: str | Path, settings: dict) -> dict[str, str]:
         raise FileNotFoundError(f"{folder} is not an answers dataset (no {CARD}); make one with "
                                 "python -m transformers_confu.training.answers_dataset")
     _check_settings(folder, {**settings, "target": canonical_fingerprint(settings["target"])}, "this regeneration")
+    return read_answers(folder)
+
+
+def read_answers(folder: str | Path) -> dict[str, str]:
+    """`{prompt key: answer}` of every row of the dataset in `folder` (its settings unchecked)."""
     rows = read_rows(folder)
     return {key: messages[-1]["content"] for key, messages in zip(rows["key"].to_pylist(), rows["messages"].to_pylist())}
 
@@ -92,10 +97,8 @@ def _prompt_index(files: Sequence[str]) -> dict[str, dict]:
     """`{prompt key: request}` of the requests (`{messages, kind, source}` lines) in `files`."""
     index = {}
     for name in files:
-        for line in Path(name).read_text(encoding="utf-8").split("\n"):
-            if line.strip():
-                request = json.loads(line)
-                index.setdefault(prompt_key(request["messages"]), request)
+        for request in read_jsonl(Path(name)):
+            index.setdefault(prompt_key(request["messages"]), request)
     return index
 
 

@@ -36,7 +36,8 @@ import re
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 
-from .data import prompt_messages
+from .chat_layouts import to_conversations
+from .data import Messages, prompt_messages
 from .data_sources import load_conversations
 from .regenerate import prompt_key
 
@@ -89,7 +90,8 @@ TRAIN_KINDS = {"gsm8k_train.jsonl": "math_reasoning", "gpteacher_codegen_instruc
                "ultrachat_ultra_eval.json": "writing"}
 
 
-def _lines(path: Path) -> Iterator[object]:
+def read_jsonl(path: Path) -> Iterator[object]:
+    """The JSON value of each non-empty line of `path`."""
     for line in path.read_text(encoding="utf-8").split("\n"):  # not splitlines(): U+2028 inside strings
         if line.strip():
             yield json.loads(line)
@@ -121,7 +123,7 @@ def _passage_requests(passages: Iterable[tuple[str, str | None]], source: str, r
 
 def _qed(path: Path, rng: random.Random) -> Iterator[Request]:
     """Each question alone (qa), or its paragraph to summarize, or both (rag): one of the three per row."""
-    for row in _lines(path):
+    for row in read_jsonl(path):
         kind = rng.choice(("qa", "summarization", "rag"))
         if kind == "qa":
             yield _user(_question(row["question_text"], rng), "qa", path.name)
@@ -131,13 +133,13 @@ def _qed(path: Path, rng: random.Random) -> Iterator[Request]:
 
 
 def _sentences(path: Path, rng: random.Random) -> Iterator[Request]:
-    for row in _lines(path):
+    for row in read_jsonl(path):
         yield _user(rng.choice(TRANSLATE).format(text=row["de"].strip()), "translation", path.name)
 
 
 def _ntrex(path: Path, rng: random.Random) -> Iterator[Request]:
     docs: dict[str, list[dict]] = {}
-    for row in _lines(path):
+    for row in read_jsonl(path):
         docs.setdefault(row["doc_id"], []).append(row)
     for rows in docs.values():
         start = 0
@@ -172,7 +174,7 @@ def _questions(field: str) -> Callable[[Path, random.Random], Iterator[Request]]
 
 def _chat(field: str | None) -> Callable[[Path, random.Random], Iterator[Request]]:
     def build(path: Path, rng: random.Random) -> Iterator[Request]:
-        for row in _lines(path):
+        for row in read_jsonl(path):
             text = row if field is None else row[field]
             if isinstance(text, str) and text.strip():
                 yield _user(text.strip(), "chat", path.name)
@@ -180,14 +182,19 @@ def _chat(field: str | None) -> Callable[[Path, random.Random], Iterator[Request
 
 
 def _seed_tasks(path: Path, rng: random.Random) -> Iterator[Request]:
-    for row in _lines(path):
-        given = (row["instances"] or [{}])[0].get("input", "").strip()
-        yield _user(row["instruction"].strip() + (f"\n\n{given}" if given else ""), "chat", path.name)
+    """The instruction with its first instance's input (the self-instruct layout of `chat_layouts`)."""
+    for row in read_jsonl(path):
+        yield {"messages": prompt_messages(to_conversations(row)[0]), "kind": "chat", "source": path.name}
+
+
+def _opener(tree: dict) -> Messages:
+    """The first user turn of an OpenAssistant tree."""
+    return [{"role": "user", "content": tree["prompt"]["text"].strip()}]
 
 
 def _oasst_openers(path: Path, rng: random.Random) -> Iterator[Request]:
-    for tree in _lines(path):
-        yield _user(tree["prompt"]["text"].strip(), "chat", path.name)
+    for tree in read_jsonl(path):
+        yield {"messages": _opener(tree), "kind": "chat", "source": path.name}
 
 
 BUILDERS: dict[str, Callable[[Path, random.Random], Iterator[Request]]] = {
@@ -237,8 +244,8 @@ def followups(trees_file: str | Path, answers: Mapping[str, str]) -> list[Reques
     answer stands in for it). `answers` maps a prompt's `prompt_key` to the target's answer; openers not
     answered yet are skipped."""
     path, out = Path(trees_file), []
-    for tree in _lines(path):
-        opener = [{"role": "user", "content": tree["prompt"]["text"].strip()}]
+    for tree in read_jsonl(path):
+        opener = _opener(tree)
         answer = answers.get(prompt_key(opener))
         if not answer:
             continue
@@ -266,7 +273,7 @@ def exclude(requests: list[Request], texts: Iterable[str], span: int = 13) -> li
 
 def dev_texts(path: str | Path = DEV_QUESTIONS) -> list[str]:
     """Every turn of the benchmark's dev questions (text that training prompts must not contain)."""
-    return [turn for row in _lines(Path(path)) for turn in row["turns"]]
+    return [turn for row in read_jsonl(Path(path)) for turn in row["turns"]]
 
 
 def write_pool(requests: list[Request], out: str | Path, seed: int = 0) -> dict[str, int]:
@@ -297,13 +304,11 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if args.followups_from:
-        from .answers_dataset import read_rows  # which reads this module's SOURCES
+        from .answers_dataset import read_answers  # which reads this module's SOURCES
 
         if args.prompts_dir is None:
             p.error("--followups-from needs --prompts-dir (the OpenAssistant trees)")
-        rows = read_rows(args.followups_from)
-        answers = {k: m[-1]["content"] for k, m in zip(rows["key"].to_pylist(), rows["messages"].to_pylist())}
-        requests = followups(Path(args.prompts_dir) / "oasst_en_100_trees.jsonl", answers)
+        requests = followups(Path(args.prompts_dir) / "oasst_en_100_trees.jsonl", read_answers(args.followups_from))
     elif args.prompts_dir or args.train_dir:
         requests = build_requests(args.prompts_dir, args.train_dir, args.seed)
     else:
