@@ -18,7 +18,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..decoding.assistant import ConFuAssistant
-from ..decoding.batched import real_lengths
+from ..decoding.batched import eos_token_ids, real_lengths
 from .questions import chat_input_ids
 
 
@@ -100,8 +100,7 @@ def run_batches(model, tokenizer, methods: list[BatchMethod], questions: list[di
     """`bench.run_bench` for batches: every batch answered by every method (interleaved), rows checked against
     plain batched `generate`'s at T=0 (`divergence` as `bench.divergence`). Each method first answers the first
     batch once, untimed."""
-    eos = model.generation_config.eos_token_id
-    eos_ids = [] if eos is None else list(eos) if isinstance(eos, (list, tuple)) else [eos]
+    eos_ids = eos_token_ids(model.generation_config)
     groups = [questions[i : i + batch_size] for i in range(0, len(questions), batch_size)]
     records: dict[str, list[dict]] = {m.name: [] for m in methods}
     mismatches: dict[str, list] = defaultdict(list)

@@ -76,7 +76,8 @@ class RowCache:
     def visible(self, device: torch.device) -> torch.Tensor:
         """(B, width) bool: the cached keys each row sees."""
         keys = torch.arange(self.width, device=device)
-        return (keys >= torch.tensor(self.start, device=device)[:, None]) & (keys < torch.tensor(self.end, device=device)[:, None])
+        start, end = torch.tensor([self.start, self.end], device=device)[..., None]  # one host-to-device copy
+        return (keys >= start) & (keys < end)
 
     def keep(self, base: int, paths: torch.Tensor, counts: list[int]) -> None:
         """After a pass appended entries at `base`: move row b's `base + paths[b, :counts[b]]` down to its end
@@ -203,6 +204,9 @@ class ChainDrafter:
             raise ValueError("ChainDrafter drafts without [f] entries: use RowDrafters for this draft.")
         self.draft, self.d2t, self.temperature = draft, draft.d2t, temperature
         self.levels = min(depth, total_tokens - 1)
+        nodes = torch.arange(max(self.levels, 1) + 1, device=draft.fc.weight.device)  # the same chain every round
+        self.chain = ((nodes - 1).clamp_min(0), nodes, nodes[:, None] >= nodes,
+                      torch.cat([nodes[1:], nodes.new_full((1,), -1)])[:, None])
         self.rows: RowCache | None = None
         self.hidden: torch.Tensor | None = None
 
@@ -254,30 +258,24 @@ class ChainDrafter:
             scores.append(logq)
             proposals.append(q)
         truncate_cache(self.rows.cache, base)
-        return _chains(roots, self.d2t[torch.cat(drafted, 1)], torch.cat(scores, 1).cumsum(1),
-                       None if q is None else torch.stack(proposals, 1))
+        return self._trees(roots, self.d2t[torch.cat(drafted, 1)], torch.cat(scores, 1).cumsum(1),
+                           None if q is None else torch.stack(proposals, 1))
+
+    def _trees(self, roots: torch.Tensor, tokens: torch.Tensor, scores: torch.Tensor, proposals: torch.Tensor | None
+               ) -> list[DraftTree]:
+        """Per row, the chain `roots[b], tokens[b]` as a `DraftTree` (`scores` (B, L) cumulative, `proposals`
+        (B, L, D) the distributions each drafted token was drawn from)."""
+        (rows, n), (parents, depths, ancestry, child_nodes) = tokens.shape, self.chain
+        paths = torch.cat([roots[:, None], tokens], 1)
+        children = torch.nn.functional.pad(tokens, (0, 1), value=-1)[..., None]  # the last node has none
+        scores = torch.nn.functional.pad(scores, (1, 0))  # the root's 0
+        tables = None if proposals is None else torch.nn.functional.pad(proposals, (0, 0, 0, 1))
+        return [DraftTree(paths[b], parents, depths, ancestry, children[b], child_nodes, n,
+                          None if tables is None else tables[b], scores[b]) for b in range(rows)]
 
     def select(self, rows: list[int]) -> None:
         self.rows.select(rows)
         self.hidden = self.hidden[torch.tensor(rows, device=self.hidden.device)]
-
-
-def _chains(roots: torch.Tensor, tokens: torch.Tensor, scores: torch.Tensor, proposals: torch.Tensor | None
-            ) -> list[DraftTree]:
-    """Per row, the chain `roots[b], tokens[b]` as a `DraftTree` (`scores` (B, L) cumulative, `proposals` (B, L, D)
-    the distributions each drafted token was drawn from)."""
-    n, device = tokens.shape[1] + 1, tokens.device
-    nodes = torch.arange(n, device=device)
-    parents = (nodes - 1).clamp_min(0)
-    ancestry = nodes[:, None] >= nodes
-    child_nodes = torch.cat([nodes[1:], nodes.new_full((1,), -1)])[:, None]
-    trees = []
-    for row in range(tokens.shape[0]):
-        path = torch.cat([roots[row].reshape(1), tokens[row]])
-        table = None if proposals is None else torch.cat([proposals[row], proposals.new_zeros(1, proposals.shape[-1])])
-        trees.append(DraftTree(path, parents, nodes, ancestry, torch.cat([path[1:], path.new_full((1,), -1)])[:, None],
-                               child_nodes, n - 1, table, torch.cat([scores.new_zeros(1), scores[row]])))
-    return trees
 
 
 @torch.no_grad()
@@ -449,7 +447,7 @@ def generate_batch(assistant, target: PreTrainedModel, input_ids: torch.LongTens
         output = type(target).generate(target, input_ids, attention_mask=mask, generation_config=config,
                                        tokenizer=tokenizer)
         stats.mode, stats.total_seconds = "plain", time.perf_counter() - start
-        stats.new_tokens = int(real_lengths(output[:, input_ids.shape[1]:], _eos_ids(config)).sum())
+        stats.new_tokens = int(real_lengths(output[:, input_ids.shape[1]:], eos_token_ids(config)).sum())
         return output
     draft, temperature = assistant.draft, (config.temperature or 1.0) if config.do_sample else None
     if budget.top_k == 1 and not draft.config.has_future_entry:
@@ -468,7 +466,8 @@ def real_lengths(new: torch.LongTensor, eos_ids: list[int]) -> torch.LongTensor:
     return (ends.cumsum(1) - ends == 0).sum(1)
 
 
-def _eos_ids(config: GenerationConfig) -> list[int]:
+def eos_token_ids(config: GenerationConfig) -> list[int]:
+    """The EOS ids of `config` as a list (empty without one)."""
     eos = config.eos_token_id
     return [] if eos is None else list(eos) if isinstance(eos, (list, tuple)) else [eos]
 
@@ -476,7 +475,7 @@ def _eos_ids(config: GenerationConfig) -> list[int]:
 def _pad_id(config: GenerationConfig) -> int | None:
     """The id `generate` pads finished rows with (None: rows never finish early): `pad_token_id`, else the first
     EOS id; None without an EOS id."""
-    eos = _eos_ids(config)
+    eos = eos_token_ids(config)
     if not eos:
         return None
     return config.pad_token_id if config.pad_token_id is not None else eos[0]
@@ -488,7 +487,7 @@ def _left_padding_mask(input_ids: torch.LongTensor, mask: torch.Tensor | None, c
     batched loop does not take: right padding, holes, empty rows, a missing mask on a padded batch."""
     if mask is None:
         pad = config.pad_token_id
-        if pad is not None and pad not in _eos_ids(config) and bool((input_ids == pad).any()):
+        if pad is not None and pad not in eos_token_ids(config) and bool((input_ids == pad).any()):
             raise ValueError("The batch holds pad tokens but no attention_mask was given: pass the tokenizer's "
                              "attention_mask (padding_side='left').")
         return torch.ones_like(input_ids)
