@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from transformers_confu.models.target import load_target
-from transformers_confu.training.continuous_batching import stream_answers
+from transformers_confu.training.continuous_batching import left_padded, stream_answers
 from transformers_confu.training.data import render
 from transformers_confu.training.regenerate import (
     RegenerationSettings,
@@ -58,12 +58,10 @@ def run_way(way: str, model, tokenizer, prompts: list[list[int]], max_new_tokens
 
 def prefill_rate(model, prompts: list[list[int]], batch: int) -> dict:
     rows = prompts[:batch]
-    width = max(map(len, rows))
-    ids = torch.tensor([[0] * (width - len(p)) + p for p in rows])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in rows])
+    ids, mask = left_padded(rows, 0)
     start = time.perf_counter()
     with torch.no_grad():
-        model(input_ids=ids, attention_mask=mask, logits_to_keep=1)
+        model(input_ids=ids, attention_mask=mask.long(), logits_to_keep=1)
     seconds = time.perf_counter() - start
     tokens = sum(map(len, rows))
     return {"prompt_tokens": tokens, "padded_tokens": int(ids.numel()), "seconds": seconds,

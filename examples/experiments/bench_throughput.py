@@ -50,7 +50,7 @@ def regeneration(model, tokenizer, conversations, batch: int, new_tokens: int) -
     for name, growing in (("transformers DynamicCache", False), ("growing cache (ours)", True)):
         start = time.perf_counter()
         if growing:
-            _, lengths, _ = generate_answers(model, tokenizer, prompts, settings, seed=0)
+            lengths = [len(a) for a in generate_answers(model, tokenizer, prompts, settings, seed=0)]
         else:
             pad = tokenizer.pad_token_id
             width = max(map(len, prompts))

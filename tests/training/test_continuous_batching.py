@@ -85,6 +85,17 @@ def test_refill_and_generate_batches_give_the_same_answers(tmp_path):
     assert len(records) == 5 and all(r["new_tokens"] > 0 for r in records)
 
 
+def test_sliding_window_targets_regenerate_by_whole_batches(tmp_path):
+    tokenizer = chat_tokenizer()
+    model = tiny_target("qwen2", vocab_size=len(tokenizer), eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
+                        use_sliding_window=True, sliding_window=8, max_window_layers=0)
+    with pytest.raises(ValueError, match="full context"):
+        list(stream_answers(model, [[EOS + 1] * 3], 4, [EOS]))
+    regenerate_responses(_dataset(REGEN_CONVS), model, tokenizer, tmp_path, batch_size=2, max_new_tokens=4)
+    records = [json.loads(line) for line in (tmp_path / "responses.jsonl").read_text().splitlines()]
+    assert len(records) == 5 and all(r["new_tokens"] > 0 for r in records)
+
+
 def test_answered_prompts_are_not_answered_again(tmp_path):
     tokenizer = chat_tokenizer()
     model = _tiny_chat_model(tokenizer)
@@ -113,7 +124,7 @@ def test_fingerprint_ignores_the_load_folder_and_migrates_legacy_folders(tmp_pat
     full = regenerate_responses(ds, model, tokenizer, tmp_path / "answers", batch_size=2, max_new_tokens=3)
     settings_path = tmp_path / "answers" / "settings.json"
     settings = json.loads(settings_path.read_text())
-    monkeypatch.setitem(LEGACY_FINGERPRINTS, settings["target"], ("0123456789abcdef",))
+    monkeypatch.setitem(LEGACY_FINGERPRINTS, "0123456789abcdef", settings["target"])
     settings_path.write_text(json.dumps({**settings, "target": "0123456789abcdef"}))
     again = regenerate_responses(ds, model, tokenizer, tmp_path / "answers", batch_size=2, max_new_tokens=3)
     assert again.to_list() == full.to_list() and json.loads(settings_path.read_text()) == settings

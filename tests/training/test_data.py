@@ -344,6 +344,15 @@ def test_regenerate_refuses_other_settings_and_skips_torn_lines(tokenizer, tmp_p
     assert again.to_list() == full.to_list()
 
 
+def test_responses_with_unicode_line_separators_are_read(tmp_path):
+    from transformers_confu.training.regenerate import read_responses
+
+    path = tmp_path / "responses.jsonl"
+    records = [{"key": "a", "response": "one\u2028two\x85three"}, {"key": "b", "response": "plain"}]
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8")
+    assert read_responses(path) == {r["key"]: r for r in records}
+
+
 def test_real_training_files_load():
     if not REAL_DATA.exists():
         pytest.skip(f"{REAL_DATA} not found")

@@ -235,11 +235,8 @@ class ConFuAssistant:
         self.stats = SpeculativeStats()
         temperature = (config.temperature or 1.0) if config.do_sample else None
         parts = {}
-        if config.cache_implementation == "static":
+        if uses_static_cache(config, "ConFu"):
             parts, self.stats.mode = self._static_parts(config, input_ids.shape[1] + max_new, budget), "static"
-        elif config.cache_implementation not in (None, "dynamic"):
-            raise ValueError(f"cache_implementation={config.cache_implementation!r} is not supported with a ConFu "
-                             "assistant: use 'static' (preallocated caches, compiled on CUDA) or leave it unset.")
         suffix = self.suffix if use_suffix else None
         drafter = TreeDrafter(self.draft, budget.depth, budget.top_k, budget.total_tokens, temperature,
                               parts.get("draft_cache"), parts.get("draft_calls"), suffix)
@@ -251,35 +248,52 @@ class ConFuAssistant:
         return output
 
     def _static_parts(self, config: GenerationConfig, length: int, budget: TreeBudget) -> dict[str, Any]:
-        """Static mode: preallocated caches for target and draft, sized to `length` tokens plus the tree and
-        rounded up to a multiple of `STATIC_BUCKET` (so prompts of similar length share one compiled shape),
-        and the calls that run them (the target's tree pass, the path compaction, the draft's catch-up and whole
-        tree drafting, each one graph): compiled where transformers' `generate` compiles a static cache (CUDA/XPU,
-        or `compile_config._compile_all_devices`; never with `disable_compile`), with its `compile_config`.
-        Kept on the assistant and reused by later calls of the same capacity and compile settings."""
-        check_full_attention(self.target)
+        """Static mode: `static_parts` for target and draft, sized to `length` tokens plus the soft prompt and
+        the tree, kept on the assistant and reused by later calls of the same capacity and compile settings."""
         offset = 0 if self.adapter is None else self.adapter.num_soft_tokens
-        capacity = static_capacity(offset + length + 2 * budget.total_tokens + budget.depth * (budget.top_k + 1) + 2)
-        options = compile_options(config, self.target)
-        compile = options is not None
-        key = (capacity, repr(options))
-        parts = self.__dict__.get("_static")
-        if parts is not None and parts["key"] == key:
-            truncate_cache(parts["target"].cache, 0)
-            truncate_cache(parts["draft_cache"], 0)
-            return parts
-        filled = not compile and self.target.device.type == "cpu"  # uncompiled: attend over filled positions only
-        cache = static_cache(self.target.config.num_hidden_layers, capacity, filled)
-        parts = {
-            "key": key,
-            "target": StaticTarget(cache, torch.compile(self.target, **options), torch.compile(keep_path, **options))
-            if compile else StaticTarget(cache, self.target),
-            "draft_cache": static_cache(1, capacity, filled),
-            "draft_calls": {"catch_up": torch.compile(catch_up_step, **options),
-                            "propose": torch.compile(draft_tree, **options)} if compile else None,
-        }
-        self._static = parts
-        return parts
+        needed = offset + length + 2 * budget.total_tokens + budget.depth * (budget.top_k + 1) + 2
+        self._static = static_parts(self.target, config, needed, self.__dict__.get("_static"), draft=True)
+        return self._static
+
+
+def uses_static_cache(config: GenerationConfig, assistant: str) -> bool:
+    """Whether a call asks for the static mode; any cache implementation but static and dynamic is refused."""
+    if config.cache_implementation == "static":
+        return True
+    if config.cache_implementation not in (None, "dynamic"):
+        raise ValueError(f"cache_implementation={config.cache_implementation!r} is not supported with a {assistant} "
+                         "assistant: use 'static' (preallocated caches, compiled on CUDA) or leave it unset.")
+    return False
+
+
+def static_parts(target: PreTrainedModel, config: GenerationConfig, needed: int, kept: dict[str, Any] | None,
+                 draft: bool) -> dict[str, Any]:
+    """The static mode's preallocated caches and the calls that run them: the target's cache of `needed`
+    positions rounded up to a multiple of `STATIC_BUCKET` (so prompts of similar length share one compiled
+    shape) with its tree pass and path compaction, and with `draft` the draft's cache and its catch-up and
+    whole-tree drafting calls. Compiled (each one graph) where transformers' `generate` compiles a static
+    cache (CUDA/XPU, or `compile_config._compile_all_devices`; never with `disable_compile`), with its
+    `compile_config`; uncompiled on a CPU, attention sees only the filled positions. `kept`, the parts of an
+    earlier call, is emptied and returned when its capacity and compile settings match."""
+    check_full_attention(target)
+    options = compile_options(config, target)
+    key = (static_capacity(needed), repr(options))
+    if kept is not None and kept["key"] == key:
+        truncate_cache(kept["target"].cache, 0)
+        if draft:
+            truncate_cache(kept["draft_cache"], 0)
+        return kept
+    compile = options is not None
+    filled = not compile and target.device.type == "cpu"
+    cache = static_cache(target.config.num_hidden_layers, key[0], filled)
+    parts = {"key": key, "target": StaticTarget(cache, torch.compile(target, **options),
+                                                torch.compile(keep_path, **options)) if compile
+             else StaticTarget(cache, target)}
+    if draft:
+        parts["draft_cache"] = static_cache(1, key[0], filled)
+        parts["draft_calls"] = {"catch_up": torch.compile(catch_up_step, **options),
+                                "propose": torch.compile(draft_tree, **options)} if compile else None
+    return parts
 
 
 def checked_input_ids(own: PreTrainedModel, target: PreTrainedModel, input_ids: torch.LongTensor | None,

@@ -17,18 +17,16 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
-from ..utils.cache import keep_path, static_cache, truncate_cache
 from .assistant import (
     _check_attention_mask,
     _generation_config,
     _max_new_tokens,
-    check_full_attention,
     checked_input_ids,
-    compile_options,
-    static_capacity,
+    static_parts,
+    uses_static_cache,
     wrap_generate,
 )
-from .generation import SpeculativeStats, StaticTarget, TreeBudget, speculative_generate
+from .generation import SpeculativeStats, TreeBudget, speculative_generate
 from .suffix import CorpusIndex, SuffixProposer, load_proposer
 from .tree import DraftTree, suffix_tree
 
@@ -95,28 +93,13 @@ class SuffixAssistant:
         max_new = _max_new_tokens(config, input_ids.shape[1], budget, target)
         self.stats = SpeculativeStats()
         static = None
-        if config.cache_implementation == "static":
-            static, self.stats.mode = self._static_target(config, input_ids.shape[1] + max_new + 2 * total + 2), "static"
-        elif config.cache_implementation not in (None, "dynamic"):
-            raise ValueError(f"cache_implementation={config.cache_implementation!r} is not supported with a suffix "
-                             "assistant: use 'static' or leave it unset.")
+        if uses_static_cache(config, "suffix"):
+            self._static = static_parts(target, config, input_ids.shape[1] + max_new + 2 * total + 2, self._static,
+                                        draft=False)
+            static, self.stats.mode = self._static["target"], "static"
         layers = [target.config.num_hidden_layers]  # the loop reads features; nothing uses them here
         output = speculative_generate(target, SuffixDrafter(self.proposer, total, static is not None), layers,
                                       input_ids, config, max_new, self.stats, tokenizer, streamer, static=static)
         self.stats.suffix_seconds = self.proposer.seconds
         return output
 
-    def _static_target(self, config, needed: int) -> StaticTarget:
-        """The target's static cache (and compiled calls, where transformers compiles), kept for later calls of
-        the same capacity and compile settings."""
-        check_full_attention(self.target)
-        options = compile_options(config, self.target)
-        key = (static_capacity(needed), repr(options))
-        if self._static is not None and self._static["key"] == key:
-            truncate_cache(self._static["target"].cache, 0)
-            return self._static["target"]
-        cache = static_cache(self.target.config.num_hidden_layers, key[0])
-        static = (StaticTarget(cache, torch.compile(self.target, **options), torch.compile(keep_path, **options))
-                  if options is not None else StaticTarget(cache, self.target))
-        self._static = {"key": key, "target": static}
-        return static

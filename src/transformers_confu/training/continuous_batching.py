@@ -78,14 +78,22 @@ class _Batch:
             self._keep(torch.tensor(running if drop_rows else list(range(len(self.prompts)))), start if cut else 0)
 
 
-def _prefill(model, prompts: list[Sequence[int]], pad_token_id: int, cache: DynamicCache):
-    """Run left-padded prompts through `model` into `cache`; return their mask and last-position logits."""
-    width = max(len(p) for p in prompts)
+def left_padded(prompts: Sequence[Sequence[int]], pad_token_id: int, width: int | None = None
+                ) -> tuple[torch.LongTensor, torch.Tensor]:
+    """(B, width) ids and boolean attention mask of token-id prompts, padded on the left (default width: the
+    longest prompt)."""
+    width = max(len(p) for p in prompts) if width is None else width
     input_ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
     mask = torch.zeros((len(prompts), width), dtype=torch.bool)
     for row, ids in enumerate(prompts):
         input_ids[row, width - len(ids):] = torch.as_tensor(ids, dtype=torch.long)
         mask[row, width - len(ids):] = True
+    return input_ids, mask
+
+
+def _prefill(model, prompts: list[Sequence[int]], pad_token_id: int, cache: DynamicCache):
+    """Run left-padded prompts through `model` into `cache`; return their mask and last-position logits."""
+    input_ids, mask = left_padded(prompts, pad_token_id)
     positions = (mask.long().cumsum(-1) - 1).clamp(min=0)  # as `generate` numbers left-padded rows
     device = model.device
     logits = model(input_ids=input_ids.to(device), attention_mask=mask.to(device), position_ids=positions.to(device),
@@ -107,6 +115,11 @@ def next_tokens(logits: torch.Tensor, temperature: float, top_p: float,
     return torch.stack([torch.multinomial(p, 1, generator=g)[0] for p, g in zip(probs, generators)])
 
 
+def full_attention(config) -> bool:
+    """Whether every layer of a model with `config` attends to the full context (continuous batching needs it)."""
+    return all(type(layer) is DynamicLayer for layer in DynamicCache(config=config).layers)
+
+
 @torch.no_grad()
 def stream_answers(
     model,
@@ -126,7 +139,7 @@ def stream_answers(
     `refill_rows` rows (default: an eighth of the batch) are free. Sampled rows (`temperature` > 0) use a
     generator seeded with `seeds[i]` for prompt i. Once `stop()` is true no more prompts are started; the
     running ones are finished."""
-    if any(type(layer) is not DynamicLayer for layer in DynamicCache(config=model.config).layers):
+    if not full_attention(model.config):
         raise ValueError("continuous batching needs a model whose layers all attend to the full context")
     if temperature > 0 and (seeds is None or len(seeds) != len(prompts)):
         raise ValueError("sampling needs one seed per prompt")

@@ -23,9 +23,10 @@ import datasets
 import torch
 from tqdm.auto import tqdm
 
+from ..decoding.batched import eos_token_ids, real_lengths
 from ..utils.atomic import pin_settings, write_json_atomic
 from ..utils.cache import cache_kwargs, growing_cache
-from .continuous_batching import stream_answers
+from .continuous_batching import full_attention, left_padded, stream_answers
 from .data import Messages, prompt_messages, render
 
 logger = logging.getLogger(__name__)
@@ -46,10 +47,10 @@ class RegenerationSettings:
 
 # Fields of a config that name where or with what it was loaded, not the model: left out of the fingerprint.
 _LOAD_FIELDS = ("_name_or_path", "transformers_version")
-# Fingerprints that `target_fingerprint` gave before it left `_LOAD_FIELDS` out, by the fingerprint the same
+# Fingerprints that `target_fingerprint` gave before it left `_LOAD_FIELDS` out -> the fingerprint the same
 # target has now: the embedded default target loaded from its GGUF and from its float copy in the default
 # `$CONFU_CACHE`. Folders pinned to them hold that target's answers and stay usable (`migrate_fingerprint`).
-LEGACY_FINGERPRINTS = {"0de68d7aa27e7747": ("dca0dd02874cfafe", "b8f9516f4af8e355")}
+LEGACY_FINGERPRINTS = {"dca0dd02874cfafe": "0de68d7aa27e7747", "b8f9516f4af8e355": "0de68d7aa27e7747"}
 
 
 def target_fingerprint(model) -> str:
@@ -63,7 +64,7 @@ def target_fingerprint(model) -> str:
 
 def canonical_fingerprint(fingerprint: str) -> str:
     """The fingerprint a target has now, for one that `target_fingerprint` gave it before (else unchanged)."""
-    return next((new for new, old in LEGACY_FINGERPRINTS.items() if fingerprint in old), fingerprint)
+    return LEGACY_FINGERPRINTS.get(fingerprint, fingerprint)
 
 
 def migrate_fingerprint(directory: str | Path, fingerprint: str) -> None:
@@ -73,7 +74,7 @@ def migrate_fingerprint(directory: str | Path, fingerprint: str) -> None:
     if path.exists():
         settings = json.loads(path.read_text())
         old = settings.get("target")
-        if old != fingerprint and canonical_fingerprint(old) == fingerprint:
+        if LEGACY_FINGERPRINTS.get(old) == fingerprint:
             logger.info("%s: target fingerprint %s (legacy) is %s now: rewritten", path, old, fingerprint)
             write_json_atomic(path, {**settings, "target": fingerprint})
 
@@ -83,12 +84,14 @@ def prompt_key(prompt: Messages) -> str:
     return hashlib.sha256(json.dumps(prompt, sort_keys=True).encode()).hexdigest()[:16]
 
 
-
 def read_responses(path: Path) -> dict[str, dict]:
     """`{key: record}` from a responses file; unreadable (torn) lines are skipped with a warning."""
     records = {}
     if path.exists():
-        for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        # not splitlines(): answers are written with ensure_ascii=False and may hold U+2028, U+0085, ...
+        for lineno, line in enumerate(path.read_text(encoding="utf-8").split("\n"), 1):
+            if not line:
+                continue
             try:
                 record = json.loads(line)
                 records[record["key"]] = record
@@ -104,7 +107,6 @@ def _drop_torn_tail(path: Path) -> None:
         whole = data.rfind(b"\n") + 1
         if whole < len(data):
             os.truncate(path, whole)
-
 
 
 STATIC_WIDTH_STEP = 64  # static-cache regeneration pads prompts to a multiple of this
@@ -134,27 +136,19 @@ def generate_answers(model, tokenizer, prompt_ids: list[list[int]], settings: Re
     width = max(len(p) for p in prompt_ids)
     if static:
         width = -(-width // STATIC_WIDTH_STEP) * STATIC_WIDTH_STEP
-    input_ids = torch.full((len(prompt_ids), width), pad, dtype=torch.long)
-    attention_mask = torch.zeros_like(input_ids)
-    for row, ids in enumerate(prompt_ids):
-        input_ids[row, width - len(ids) :] = torch.tensor(ids)
-        attention_mask[row, width - len(ids) :] = 1
+    input_ids, attention_mask = left_padded(prompt_ids, pad, width)
     sampling = settings.temperature > 0
     if sampling:
         torch.manual_seed(seed)
     out = model.generate(
-        input_ids=input_ids.to(model.device), attention_mask=attention_mask.to(model.device),
+        input_ids=input_ids.to(model.device), attention_mask=attention_mask.long().to(model.device),
         max_new_tokens=settings.max_new_tokens, do_sample=sampling,
         temperature=settings.temperature if sampling else None, top_p=settings.top_p if sampling else None,
         top_k=0 if sampling else None, pad_token_id=pad,
         **(dict(cache_implementation="static") if static
            else cache_kwargs(model, growing_cache(model.config, reserve=settings.max_new_tokens))),
     )[:, width:].cpu()
-    eos = model.generation_config.eos_token_id
-    eos = torch.tensor([eos] if isinstance(eos, int) else list(eos or []), dtype=torch.long)
-    is_eos = torch.isin(out, eos)
-    ended = is_eos.any(dim=1)
-    lengths = torch.where(ended, is_eos.int().argmax(dim=1) + 1, torch.full_like(ended, out.shape[1], dtype=torch.long))
+    lengths = real_lengths(out, eos_token_ids(model.generation_config))
     return [row[:n].tolist() for row, n in zip(out, lengths.tolist())]
 
 
@@ -194,7 +188,8 @@ def regenerate_responses(
     and prompts longer than `max_prompt_tokens` are left out (logged), or with `keep_unanswered` kept as
     they are when they end with an assistant turn (a reference answer). Rerun with the same arguments to go
     on. With `refill` (the default) rows whose answer has ended take the next prompt at once
-    (`continuous_batching`); without, each batch is decoded by `generate` until its longest answer ends.
+    (`continuous_batching`); without, or for a target with sliding-window layers, each batch is decoded by
+    `generate` until its longest answer ends.
     The time box stops new prompts from starting; the running ones are finished."""
     directory = Path(directory)
     settings = regeneration_settings(model, max_new_tokens, temperature, top_p, seed)
@@ -262,11 +257,10 @@ def regenerate_responses(
 def _answers(model, tokenizer, prompt_ids: list[list[int]], settings: RegenerationSettings, keys: list[str],
              batch_size: int, refill: bool, stop) -> Iterator[tuple[int, list[int], bool]]:
     """`(index, new ids, ended with EOS)` for the prompts, as they are answered, until `stop()`."""
-    eos = model.generation_config.eos_token_id
-    eos = [eos] if isinstance(eos, int) else list(eos or [])
+    eos = eos_token_ids(model.generation_config)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
     seeds = [int(prompt_key([{"seed": str(settings.seed), "key": key}]), 16) % 2**31 for key in keys]
-    if refill:
+    if refill and full_attention(model.config):
         yield from stream_answers(model, prompt_ids, settings.max_new_tokens, eos, batch_size=batch_size,
                                   temperature=settings.temperature, top_p=settings.top_p, seeds=seeds,
                                   pad_token_id=pad, stop=stop)
