@@ -90,3 +90,11 @@ def _one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_compile_caches():
+    """Each test compiles from scratch: compiled frames of one code object (a model's forward) would otherwise
+    pile up across tests until torch's recompile limit fails a `fullgraph` compile."""
+    yield
+    torch._dynamo.reset()

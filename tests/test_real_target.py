@@ -20,8 +20,10 @@ SHIPPED = sorted(f.name for f in CHECKPOINTS.iterdir() if (f / "config.json").is
 
 @pytest.fixture(scope="module")
 def target():
+    threads = torch.get_num_threads()
     torch.set_num_threads(2)
-    return load_target()
+    yield load_target()
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module", params=SHIPPED or ["untrained"])
