@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from conftest import tiny_target, tiny_tokenizer
 from test_bench import write_questions
 
@@ -32,3 +33,11 @@ def test_batched_bench_compares_each_budget_with_plain_batched_generate(tmp_path
         assert all(len(r["choices"][0]["turns"]) == 1 for r in rows)
         assert all(1 <= a for r in rows for a in r["choices"][0]["accept_lengths"])
     assert summary["table"]["eagle3:draft:d3k2n5"]["overall"]["tau"] >= 1
+
+
+@pytest.mark.parametrize("flags", [["--suffix", "hybrid"], ["--loops", "eager,static"], ["--auto-tree"]])
+def test_batched_bench_refuses_batch_1_methods_before_loading_anything(flags, capsys):
+    with pytest.raises(SystemExit):
+        main(["--target", "no/such-target", "--batch-size", "4", *flags])
+    error = capsys.readouterr().err
+    assert flags[0] in error and "use --batch-size 1" in error

@@ -394,11 +394,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=1,
                    help="B > 1: first turns B at a time (left-padded batches), plain batched generate as the reference "
                         "and each draft with its auto batch budget and each --trees budget; tokens/s over the batch, "
-                        "tau per row")
+                        "tau per row (prompt lookup and --contemplate-nodes are batch-1 methods: left out)")
     p.add_argument("--kernels", choices=["onednn", "mkl"], default="onednn",
                    help="CPU linear layers: onednn (packed weights, what load_target gives) or mkl (plain F.linear)")
     p.add_argument("--out", default="results/bench", help="output path prefix (.md, .json, .png, answers/)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.batch_size > 1:
+        unsupported = [flag for flag, used in (("--suffix", args.suffix.strip()), ("--loops static", "static" in args.loops),
+                                               ("--assistant-model", args.assistant_model),
+                                               ("--auto-tree", args.auto_tree)) if used]
+        if unsupported:
+            p.error(f"--batch-size {args.batch_size} runs plain batched generate and the drafts' batched trees only: "
+                    f"drop {', '.join(unsupported)} (batch-1 methods) or use --batch-size 1.")
+    return args
 
 
 def main(argv=None) -> dict:

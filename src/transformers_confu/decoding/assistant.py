@@ -26,7 +26,7 @@ from ..models.configuration_confu import ConFuDraftConfig
 from ..models.contemplate import ADAPTER_FOLDER, ContemplateAdapter
 from ..models.eagle3_format import is_eagle3_config, load_eagle3, read_config, save_eagle3
 from ..models.modeling_confu import ConFuDraftModel
-from ..utils.cache import keep_path, static_cache, truncate_cache
+from ..utils.cache import full_attention, keep_path, static_cache, truncate_cache
 from ..utils.packed_linear import pack_linear_weights
 from .batched import generate_batch, is_batch
 from .generation import SpeculativeStats, StaticTarget, TreeBudget, speculative_generate
@@ -314,10 +314,10 @@ def checked_input_ids(own: PreTrainedModel, target: PreTrainedModel, input_ids: 
 
 def check_full_attention(target: PreTrainedModel) -> None:
     """The static mode's caches are full-attention ones: refuse a target with other layer types."""
-    layer_types = getattr(target.config, "layer_types", None) or []
-    if any(kind != "full_attention" for kind in layer_types):
-        raise ValueError("cache_implementation='static' with a ConFu assistant supports full-attention targets "
-                         f"only; this one has layer types {sorted(set(layer_types))}: leave cache_implementation unset.")
+    if not full_attention(target.config):
+        raise ValueError("cache_implementation='static' with an assistant supports full-attention targets only; "
+                         f"this one has layer types {getattr(target.config, 'layer_types', None)}: leave "
+                         "cache_implementation unset.")
 
 
 def static_capacity(needed: int) -> int:

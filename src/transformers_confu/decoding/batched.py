@@ -18,7 +18,7 @@ from transformers import Cache, DynamicCache, GenerationConfig, PreTrainedModel
 
 from ..models.contemplate import ContemplateAdapter, soft_prompt_mask
 from ..models.modeling_confu import ConFuDraftModel
-from ..utils.cache import cache_kwargs, growing_cache, truncate_cache
+from ..utils.cache import cache_kwargs, full_attention, growing_cache, truncate_cache
 from ..utils.masks import to_additive
 from .generation import (
     SpeculativeStats,
@@ -435,10 +435,9 @@ def generate_batch(assistant, target: PreTrainedModel, input_ids: torch.LongTens
     if config.cache_implementation == "static":
         raise ValueError(f"cache_implementation='static' with a ConFu assistant supports batch size 1 only (got "
                          f"{batch} rows): leave cache_implementation unset for batches (the eager loop).")
-    layer_types = getattr(target.config, "layer_types", None) or []
-    if any(kind != "full_attention" for kind in layer_types):
+    if not full_attention(target.config):
         raise ValueError("Batched speculative decoding supports full-attention targets only; this one has layer "
-                         f"types {sorted(set(layer_types))}: generate one prompt at a time.")
+                         f"types {getattr(target.config, 'layer_types', None)}: generate one prompt at a time.")
     mask = _left_padding_mask(input_ids, attention_mask, config)
     stats = assistant.stats = BatchStats()
     budget = batch_budget(assistant.budget, batch, target.device.type) if budget is None else budget

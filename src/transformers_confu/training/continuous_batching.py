@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
-from ..utils.cache import cache_kwargs, growing_cache
+from ..utils.cache import cache_kwargs, full_attention, growing_cache
 
 
 class _Batch:
@@ -113,11 +113,6 @@ def next_tokens(logits: torch.Tensor, temperature: float, top_p: float,
         outside = sorted_probs.cumsum(dim=-1) - sorted_probs > top_p  # the most likely token always stays
         probs = probs.scatter(-1, order, sorted_probs.masked_fill(outside, 0.0))
     return torch.stack([torch.multinomial(p, 1, generator=g)[0] for p, g in zip(probs, generators)])
-
-
-def full_attention(config) -> bool:
-    """Whether every layer of a model with `config` attends to the full context (continuous batching needs it)."""
-    return all(type(layer) is DynamicLayer for layer in DynamicCache(config=config).layers)
 
 
 @torch.no_grad()

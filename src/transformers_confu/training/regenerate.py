@@ -25,8 +25,8 @@ from tqdm.auto import tqdm
 
 from ..decoding.batched import eos_token_ids, real_lengths
 from ..utils.atomic import pin_settings, write_json_atomic
-from ..utils.cache import cache_kwargs, growing_cache
-from .continuous_batching import full_attention, left_padded, stream_answers
+from ..utils.cache import cache_kwargs, full_attention, growing_cache
+from .continuous_batching import left_padded, stream_answers
 from .data import Messages, prompt_messages, render
 
 logger = logging.getLogger(__name__)

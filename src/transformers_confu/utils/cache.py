@@ -16,6 +16,12 @@ def cache_kwargs(model: PreTrainedModel, cache: Cache) -> dict:
     return {name: cache}
 
 
+def full_attention(config) -> bool:
+    """Whether every layer of a model with `config` attends to the full context (no sliding window, chunked or
+    linear attention): what the static mode, batched decoding and continuous batching need."""
+    return all(type(layer) is DynamicLayer for layer in DynamicCache(config=config).layers)
+
+
 def is_static(cache: Cache) -> bool:
     return bool(cache.layers) and isinstance(cache.layers[0], StaticLayer)
 
