@@ -19,23 +19,31 @@ from tqdm.auto import tqdm
 
 from ..decoding.assistant import ConFuAssistant
 from ..decoding.batched import eos_token_ids, real_lengths
+from ..decoding.suffix_assistant import SuffixAssistant
 from .questions import chat_input_ids
 
 
 @dataclass
 class BatchMethod:
     """A named way to answer a batch: `run(input_ids, attention_mask, max_new_tokens) -> (output ids, each row's
-    accept lengths or None)`."""
+    accept lengths or None)`; `assistant`: the one it runs, whose `stats` are read after each batch (accepted tokens
+    by source)."""
 
     name: str
     run: Callable[[torch.LongTensor, torch.Tensor, int], tuple[torch.LongTensor, list[list[int]] | None]]
+    assistant: object = None
 
 
 def batch_methods(model, drafts: list[str], trees: list[tuple[int, int, int]], sampling: dict,
-                  static: dict | None = None) -> list[BatchMethod]:
+                  static: dict | None = None, suffix: tuple[str, ...] = (), suffix_corpus: str | None = None,
+                  suffix_tokens: tuple[int, ...] = (), hybrid_trees: list[tuple[int, int, int, int]] = ()
+                  ) -> list[BatchMethod]:
     """Plain batched `generate` (the reference) and, with `static` (its `generate` options: a static cache, compiled
     on CUDA), `generate-static`; then per draft its `auto` budget for the batch (the draft's own budget under
-    `batched.batch_budget`) and each of `trees` as it is (the batched loop is eager)."""
+    `batched.batch_budget`) and each of `trees` as it is (the batched loop is eager). `suffix` as in
+    `bench.build_methods`: "suffix" / "suffix-corpus" `SuffixAssistant`s at the `auto` width and each of
+    `suffix_tokens`, "hybrid" every draft at each of `hybrid_trees` (depth, top_k, total_tokens, suffix nodes) with
+    `suffix_corpus`."""
 
     def plain(options):
         return lambda ids, mask, n: (model.generate(ids, attention_mask=mask, max_new_tokens=n, **options, **sampling),
@@ -44,13 +52,23 @@ def batch_methods(model, drafts: list[str], trees: list[tuple[int, int, int]], s
     methods = [BatchMethod("generate", plain({}))]
     if static is not None:
         methods.append(BatchMethod("generate-static", plain(static)))
+    for name in (x for x in suffix if x in ("suffix", "suffix-corpus")):
+        for width in [None, *suffix_tokens]:
+            assistant = SuffixAssistant(model, corpus=suffix_corpus if name == "suffix-corpus" else None,
+                                        total_tokens=width)
+            methods.append(BatchMethod(f"{name}:{'auto' if width is None else f'n{width}'}",
+                                       _speculative(model, assistant, sampling), assistant))
+    hybrids = list(hybrid_trees) if "hybrid" in suffix else []
     for path in drafts:
-        for budget in [None, *trees]:
+        for budget in [None, *trees, *hybrids]:
             options = {} if budget is None else dict(zip(("depth", "top_k", "total_tokens"), budget))
+            if budget is not None and len(budget) > 3:  # a hybrid tree: the draft's and the suffix's candidates
+                options.update(suffix=suffix_corpus, suffix_nodes=budget[3])
             assistant = ConFuAssistant.from_pretrained(path, target_model=model, **options)
-            kind = "eagle3" if assistant.adapter is None else "confu"
-            label = "auto" if budget is None else "d{}k{}n{}".format(*budget)
-            methods.append(BatchMethod(f"{kind}:{Path(path).name}:{label}", _speculative(model, assistant, sampling)))
+            kind = ("eagle3" if assistant.adapter is None else "confu") + ("-hybrid" if "suffix" in options else "")
+            label = "auto" if budget is None else "d{}k{}n{}".format(*budget) + "".join(f"s{s}" for s in budget[3:])
+            methods.append(BatchMethod(f"{kind}:{Path(path).name}:{label}", _speculative(model, assistant, sampling),
+                                       assistant))
     return methods
 
 
@@ -83,14 +101,18 @@ def answer_batch(method: BatchMethod, tokenizer, questions: list[dict], max_new_
     out, accepts = method.run(ids.to(device), mask.to(device), max_new_tokens)
     seconds = (time.perf_counter() - start) / len(questions)
     new = out[:, ids.shape[1]:].cpu()
+    stats = None if method.assistant is None else method.assistant.stats
+    sources = getattr(stats, "row_accepted_by_source", None) or [{}] * len(questions)  # none: plain generate ran
     records = []
     for row, (question, length) in enumerate(zip(questions, real_lengths(new, eos_ids).tolist())):
         tokens = new[row, :length]
         accept = accepts[row] if accepts else [1] * max(length - 1, 0) if method.name.startswith("generate") else []
+        suffix = {} if stats is None else dict(accepted_by_source=dict(sources[row]),
+                                               suffix_seconds=stats.suffix_seconds / len(questions))
         records.append(dict(question_id=question["question_id"], category=question["category"], model_id=method.name,
                             choices=[dict(index=0, turns=[tokenizer.decode(tokens, skip_special_tokens=True)],
                                           new_tokens=[length], wall_time=[seconds], accept_lengths=accept,
-                                          decoding_steps=[len(accept) + 1])],
+                                          decoding_steps=[len(accept) + 1], **suffix)],
                             tstamp=time.time(), _ids=[(prompts[row][None], tokens)]))
     return records
 

@@ -400,11 +400,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", default="results/bench", help="output path prefix (.md, .json, .png, answers/)")
     args = p.parse_args(argv)
     if args.batch_size > 1:
-        unsupported = [flag for flag, used in (("--suffix", args.suffix.strip()), ("--loops static", "static" in args.loops),
+        unsupported = [flag for flag, used in (("--loops static", "static" in args.loops),
                                                ("--assistant-model", args.assistant_model),
                                                ("--auto-tree", args.auto_tree)) if used]
         if unsupported:
-            p.error(f"--batch-size {args.batch_size} runs plain batched generate and the drafts' batched trees only: "
+            p.error(f"--batch-size {args.batch_size} runs plain batched generate, the drafts' batched trees and the "
+                    f"--suffix methods only: "
                     f"drop {', '.join(unsupported)} (batch-1 methods) or use --batch-size 1.")
     return args
 
@@ -457,7 +458,8 @@ def _main(args: argparse.Namespace, argv) -> dict:
         raise SystemExit(f"--loops {args.loops!r}: choose among eager, static.")
     if args.batch_size > 1:
         methods = batch_methods(model, args.drafts, trees, sampling,
-                                static_options(args.compile) if args.static_baseline else None)
+                                static_options(args.compile) if args.static_baseline else None, suffix,
+                                args.suffix_corpus, tuple(int(x) for x in args.suffix_tokens.split(",")), hybrid_trees)
         records, mismatches, warmup = run_batches(model, tokenizer, methods, questions, args.max_new_tokens,
                                                   args.seed, greedy, args.batch_size, divergence)
     else:

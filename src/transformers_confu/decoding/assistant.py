@@ -229,9 +229,10 @@ class ConFuAssistant:
         if not (nodes_set or config.do_sample or self.draft.config.contemplate_when_greedy):
             contemplate_nodes = 0
         max_new = _max_new_tokens(config, input_ids.shape[1], budget, target)
-        if batched:  # B > 1 or left padding: batched.py (the draft alone, without suffix candidates)
+        if batched:  # B > 1 or left padding: batched.py
             return generate_batch(self, target, input_ids, mask, config, budget if tree_set else None, max_new,
-                                  tokenizer, streamer, contemplate_nodes, future_logit_weight)
+                                  tokenizer, streamer, contemplate_nodes, future_logit_weight,
+                                  self.suffix if use_suffix else None)
         self.stats = SpeculativeStats()
         temperature = (config.temperature or 1.0) if config.do_sample else None
         parts = {}
@@ -422,11 +423,6 @@ def wrap_generate(model: PreTrainedModel) -> None:
 
     generate._confu_wrapped = True
     model.generate = generate
-
-
-def _check_attention_mask(mask: torch.Tensor | None) -> None:
-    if mask is not None and not bool(mask.all()):
-        raise ValueError("Padded prompts are not supported (batch size 1): pass the prompt without padding.")
 
 
 def _generation_config(target: PreTrainedModel, kwargs: dict[str, Any]) -> GenerationConfig:

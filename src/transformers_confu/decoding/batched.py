@@ -11,6 +11,7 @@ padded as plain batched `generate` pads it (`pad_token_id` after a row's end).
 from __future__ import annotations
 
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
@@ -21,6 +22,7 @@ from ..models.modeling_confu import ConFuDraftModel
 from ..utils.cache import cache_kwargs, full_attention, growing_cache, truncate_cache
 from ..utils.masks import to_additive
 from .generation import (
+    SOURCE_NAMES,
     SpeculativeStats,
     TreeBudget,
     _append,
@@ -28,6 +30,7 @@ from .generation import (
     logits_warpers,
     stopping_criteria,
 )
+from .suffix import SuffixProposer
 from .tree import DraftTree, TreeDrafter, _pick
 from .verify import accept_greedy, accept_sampling
 
@@ -35,10 +38,12 @@ from .verify import accept_greedy, accept_sampling
 @dataclass
 class BatchStats(SpeculativeStats):
     """`SpeculativeStats` of a batched call: `accept_lengths` holds every row's rounds, `row_accept_lengths`
-    each row's own (its tau is their mean); `new_tokens` counts the real tokens of all rows (no padding);
-    `mode` is `"plain"` when the budget policy left the call to plain `generate`."""
+    each row's own (its tau is their mean), `row_accepted_by_source` each row's part of `accepted_by_source`;
+    `new_tokens` counts the real tokens of all rows (no padding); `mode` is `"plain"` when the budget policy left
+    the call to plain `generate`."""
 
     row_accept_lengths: list[list[int]] = field(default_factory=list)
+    row_accepted_by_source: list[Counter] = field(default_factory=list)
 
 
 # Per device type: (the largest batch that drafts a chain, the chain's depth; None: the draft's saved depth);
@@ -47,14 +52,23 @@ class BatchStats(SpeculativeStats):
 # other devices: not measured here, the literature's figure (SGLang's EAGLE-3 chains still pay at batch 32 on a GPU).
 CHAINS = {"cpu": (2, 1)}
 CHAINS_ELSEWHERE = (32, None)
+# Draft-free suffix trees (SuffixAssistant), per device type: the largest batch that speculates (their width stays).
+# CPU: measured (results/batched_suffix_policy.md): at batches 2 and 4, trees of 4 and 8 nodes, with and without the
+# corpus, came out at 0.62-0.96x of plain batched `generate`, so batches run plain; other devices: as `CHAINS`.
+SUFFIX_BATCHES = {"cpu": 1}
+SUFFIX_BATCHES_ELSEWHERE = 32
 
 
-def batch_budget(budget: TreeBudget, batch_size: int, device_type: str = "cpu") -> TreeBudget | None:
+def batch_budget(budget: TreeBudget, batch_size: int, device_type: str = "cpu", drafted: bool = True
+                 ) -> TreeBudget | None:
     """The `auto` budget for a batch: `budget` at batch 1; above it a chain (a tree's verify pass is B x nodes
     wide, and its draft runs row by row) up to the device's largest batch in `CHAINS`; None (plain `generate`)
-    beyond, where speculation stops paying."""
+    beyond, where speculation stops paying. Draft-free trees (not `drafted`) keep `budget` up to the device's
+    largest batch in `SUFFIX_BATCHES`."""
     if batch_size == 1:
         return budget
+    if not drafted:
+        return budget if batch_size <= SUFFIX_BATCHES.get(device_type, SUFFIX_BATCHES_ELSEWHERE) else None
     largest, depth = CHAINS.get(device_type, CHAINS_ELSEWHERE)
     if batch_size > largest:
         return None
@@ -173,7 +187,8 @@ class _BatchTarget:
 
 
 class RowDrafters:
-    """One batch-1 `TreeDrafter` per row: any tree budget, and ConFu's `[f]` entries; the draft runs row by row."""
+    """One batch-1 drafter per row (`TreeDrafter`, or `SuffixDrafter` without a draft): any tree budget, ConFu's
+    `[f]` entries, suffix candidates (each row its own proposer and context); the draft runs row by row."""
 
     def __init__(self, drafters: list[TreeDrafter]) -> None:
         self.drafters, self.d2t = drafters, drafters[0].d2t
@@ -189,8 +204,9 @@ class RowDrafters:
         for row, drafter in enumerate(self.drafters):
             drafter.catch_up(next_ids[row : row + 1], features[row : row + 1], lengths[row], futures[row], counts[row])
 
-    def propose(self, roots: torch.Tensor, lengths: list[int], priors: list) -> list[DraftTree]:
-        return [d.propose(roots[row], lengths[row], priors[row]) for row, d in enumerate(self.drafters)]
+    def propose(self, roots: torch.Tensor, lengths: list[int], priors: list, contexts: list) -> list[DraftTree]:
+        """Row b's tree under `roots[b]` (at position `lengths[b]`); `contexts[b]`: its tokens so far, root last."""
+        return [d.propose(roots[row], lengths[row], priors[row], contexts[row]) for row, d in enumerate(self.drafters)]
 
     def select(self, rows: list[int]) -> None:
         self.drafters = [self.drafters[r] for r in rows]
@@ -239,8 +255,9 @@ class ChainDrafter:
         self.rows.keep(base, torch.arange(size, device=device).expand(rows, size), counts)
         self.hidden = out.gather(1, (count - 1)[:, None, None].expand(rows, 1, out.shape[-1]))
 
-    def propose(self, roots: torch.Tensor, lengths: list[int], priors: list) -> list[DraftTree]:
-        """Draft a chain under each row's root (at position `lengths[b]`); `priors[b]` as `draft_tree`'s prior."""
+    def propose(self, roots: torch.Tensor, lengths: list[int], priors: list, contexts=None) -> list[DraftTree]:
+        """Draft a chain under each row's root (at position `lengths[b]`); `priors[b]` as `draft_tree`'s prior
+        (`contexts`: unused, chains hold no suffix candidates)."""
         rows, device = roots.numel(), roots.device
         logits = self.draft.logits(self.hidden[:, 0]).float()
         if any(p is not None for p in priors):
@@ -320,6 +337,7 @@ def batched_generate(
     outputs = list(input_ids.cpu().split(1))
     ends: dict[int, int] = {}  # input row -> output length where its stopping criteria fired
     stats.row_accept_lengths = [[] for _ in range(batch)]
+    stats.row_accepted_by_source = [Counter() for _ in range(batch)]
     futures, priors = [None] * batch, [None] * batch
     accepted = [[int(r)] for r in roots.tolist()]
     next_ids = feats = counts = None
@@ -340,7 +358,7 @@ def batched_generate(
         t0 = time.perf_counter()
         if next_ids is not None:
             drafter.catch_up(next_ids, feats, lengths, counts, futures)
-        trees = drafter.propose(roots, lengths, priors)
+        trees = drafter.propose(roots, lengths, priors, [outputs[row][0, pads[row]:].numpy() for row in rows])
         cons = None
         if adapter is not None:
             n = len(trees[0])
@@ -363,7 +381,11 @@ def batched_generate(
                                                                                          roots[:, None])
         hits = None if cons is None else cons == lasts  # each row's [con] of its last accepted node, if it had one
         fresh = torch.zeros_like(sizes) if hits is None else hits.any(1).long()
-        read = torch.cat([sizes[:, None], fresh[:, None], next_ids], 1).tolist()  # the round's one host sync
+        origins = []
+        if trees[0].sources is not None:  # padding nodes (score -inf) come from no source (0, as the root)
+            scores = torch.stack([t.scores for t in trees])
+            origins = [torch.stack([t.sources for t in trees]).masked_fill(scores.isinf(), 0).gather(1, paths)]
+        read = torch.cat([sizes[:, None], fresh[:, None], next_ids, *origins], 1).tolist()  # the round's one host sync
         counts = [r[0] for r in read]
         verify.keep(paths, counts)
         priors = [None] * len(rows)
@@ -376,6 +398,8 @@ def batched_generate(
                     priors[i] = future_logit_weight * con_logits[i, slot, drafter.d2t].float().log_softmax(-1)
                 stats.fresh_futures += 1
             stats.row_accept_lengths[rows[i]].append(counts[i])
+            below_root = r[2 + next_ids.shape[1] :][1 : counts[i]]  # where the accepted nodes below the root came from
+            stats.row_accepted_by_source[rows[i]].update(SOURCE_NAMES[origin] for origin in below_root if origin)
         accepted = [r[2 : 2 + r[0]] for r in read]
         stats.draft_seconds += t1 - t0
         stats.verify_seconds += t2 - t1
@@ -384,6 +408,7 @@ def batched_generate(
         feats = features.gather(1, paths[..., None].expand(-1, -1, features.shape[-1]))
         states = features[torch.arange(len(rows), device=features.device), lasts[:, 0]]
         lengths = [length + count for length, count in zip(lengths, counts)]
+    stats.accepted_by_source = dict(sum(stats.row_accepted_by_source, Counter()))
     output, real = _padded(outputs, ends, config)
     stats.new_tokens = real - batch * prompt_len
     stats.total_seconds = time.perf_counter() - start
@@ -398,12 +423,13 @@ def _advance(rows: list[int], accepted: list[list[int]], outputs: list[torch.Ten
     it from there, so it leaves the batch; without one plain `generate` keeps decoding it until every row is
     done, so it stays until the batch's end is known and reached."""
     for row, tokens in zip(rows, accepted):
-        if row in ends:  # done, no EOS criterion: tokens as plain generate keeps producing them
+        if row not in ends:
+            grown, stopped = _append(outputs[row], tokens, criteria, None)
+            tokens, outputs[row] = tokens[grown.shape[1] - outputs[row].shape[1]:], grown  # what follows a stop
+            if stopped:
+                ends[row] = grown.shape[1]
+        if tokens and not pads_after_end:  # done, no EOS criterion: tokens as plain generate keeps producing them
             outputs[row] = torch.cat([outputs[row], torch.tensor([tokens])], dim=1)[:, :max_length]
-            continue
-        outputs[row], stopped = _append(outputs[row], tokens, criteria, None)
-        if stopped:
-            ends[row] = outputs[row].shape[1]
     end = max(ends.values()) if len(ends) == len(outputs) else max_length
     return [i for i, row in enumerate(rows)
             if not (row in ends and pads_after_end) and outputs[row].shape[1] < end]
@@ -424,23 +450,26 @@ def _padded(outputs: list[torch.Tensor], ends: dict[int, int], config: Generatio
 def generate_batch(assistant, target: PreTrainedModel, input_ids: torch.LongTensor,
                    attention_mask: torch.Tensor | None, config: GenerationConfig, budget: TreeBudget | None,
                    max_new_tokens: int, tokenizer=None, streamer=None, contemplate_nodes: int | None = None,
-                   future_logit_weight: float = 0.0) -> torch.LongTensor:
-    """`ConFuAssistant.generate` for a batch (or a left-padded prompt): checks the inputs, picks the budget
-    (`budget` None: `batch_budget`'s choice), then runs `batched_generate`, or plain `generate` where the policy
-    says speculation does not pay. Sets `assistant.stats` (a `BatchStats`)."""
+                   future_logit_weight: float = 0.0, suffix: SuffixProposer | None = None) -> torch.LongTensor:
+    """`ConFuAssistant.generate` and `SuffixAssistant.generate` for a batch (or a left-padded prompt): checks the
+    inputs, picks the budget (`budget` None: `batch_budget`'s choice for `assistant.budget`), then runs
+    `batched_generate`, or plain `generate` where the policy says speculation does not pay. `suffix`: the proposer
+    whose candidates join every row's tree (each row gets its own `fork`); a draft-free assistant (`SuffixAssistant`,
+    no `draft`) verifies them alone. Sets `assistant.stats` (a `BatchStats`)."""
     batch = input_ids.shape[0]
     if streamer is not None:
         raise ValueError("A streamer supports batch size 1 only (as in transformers): generate one prompt at a time "
                          "to stream it.")
     if config.cache_implementation == "static":
-        raise ValueError(f"cache_implementation='static' with a ConFu assistant supports batch size 1 only (got "
+        raise ValueError(f"cache_implementation='static' with an assistant supports batch size 1 only (got "
                          f"{batch} rows): leave cache_implementation unset for batches (the eager loop).")
     if not full_attention(target.config):
         raise ValueError("Batched speculative decoding supports full-attention targets only; this one has layer "
                          f"types {getattr(target.config, 'layer_types', None)}: generate one prompt at a time.")
     mask = _left_padding_mask(input_ids, attention_mask, config)
     stats = assistant.stats = BatchStats()
-    budget = batch_budget(assistant.budget, batch, target.device.type) if budget is None else budget
+    draft = getattr(assistant, "draft", None)  # None: SuffixAssistant
+    budget = batch_budget(assistant.budget, batch, target.device.type, draft is not None) if budget is None else budget
     if budget is None:
         start = time.perf_counter()
         output = type(target).generate(target, input_ids, attention_mask=mask, generation_config=config,
@@ -448,14 +477,22 @@ def generate_batch(assistant, target: PreTrainedModel, input_ids: torch.LongTens
         stats.mode, stats.total_seconds = "plain", time.perf_counter() - start
         stats.new_tokens = int(real_lengths(output[:, input_ids.shape[1]:], eos_token_ids(config)).sum())
         return output
-    draft, temperature = assistant.draft, (config.temperature or 1.0) if config.do_sample else None
-    if budget.top_k == 1 and not draft.config.has_future_entry:
+    temperature = (config.temperature or 1.0) if config.do_sample else None
+    proposers = [None] * batch if suffix is None else [suffix.fork() for _ in range(batch)]
+    if draft is None:
+        from .suffix_assistant import SuffixDrafter  # which imports this module (through assistant.py)
+
+        drafter = RowDrafters([SuffixDrafter(proposer, budget.total_tokens, pad=True) for proposer in proposers])
+    elif suffix is None and budget.top_k == 1 and not draft.config.has_future_entry:
         drafter = ChainDrafter(draft, budget.depth, budget.total_tokens, temperature)
-    else:
-        drafter = RowDrafters([TreeDrafter(draft, budget.depth, budget.top_k, budget.total_tokens, temperature)
-                               for _ in range(batch)])
-    return batched_generate(target, drafter, draft.config.feature_layers, input_ids, mask, config, max_new_tokens,
-                            stats, tokenizer, assistant.adapter, contemplate_nodes, future_logit_weight)
+    else:  # every row's tree at its full size (`pad`), so that they stack
+        drafter = RowDrafters([TreeDrafter(draft, budget.depth, budget.top_k, budget.total_tokens, temperature,
+                                           suffix=proposer, pad=True) for proposer in proposers])
+    layers = [target.config.num_hidden_layers] if draft is None else draft.config.feature_layers  # no draft: unused
+    output = batched_generate(target, drafter, layers, input_ids, mask, config, max_new_tokens, stats, tokenizer,
+                              None if draft is None else assistant.adapter, contemplate_nodes, future_logit_weight)
+    stats.suffix_seconds = sum(proposer.seconds for proposer in proposers if proposer is not None)
+    return output
 
 
 def real_lengths(new: torch.LongTensor, eos_ids: list[int]) -> torch.LongTensor:

@@ -16,6 +16,7 @@ before children) are returned as a fixed-size `SuffixCandidates`.
 from __future__ import annotations
 
 import bisect
+import copy
 import heapq
 import json
 import math
@@ -134,6 +135,13 @@ class SuffixProposer:
     def reset(self) -> None:
         """Forget the sequence and the time spent (a new `generate` call)."""
         self.sequence, self.seconds = SequenceIndex(), 0.0
+
+    def fork(self) -> "SuffixProposer":
+        """A proposer for another sequence (a batch's row): this one's settings, corpus and calibration, shared,
+        with an empty sequence of its own."""
+        forked = copy.copy(self)
+        forked.reset()
+        return forked
 
     def source_tries(self, context: np.ndarray) -> list[tuple[int, int, list[np.ndarray], float]]:
         """Per source that matched: (source, match length, continuations, occurrences each stands for)."""

@@ -12,13 +12,13 @@ candidate is a point-mass proposal). No draft model runs, so a round costs one t
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from typing import Any
 
 import torch
 from transformers import PreTrainedModel
 
 from .assistant import (
-    _check_attention_mask,
     _generation_config,
     _max_new_tokens,
     checked_input_ids,
@@ -26,6 +26,7 @@ from .assistant import (
     uses_static_cache,
     wrap_generate,
 )
+from .batched import generate_batch, is_batch
 from .generation import SpeculativeStats, TreeBudget, speculative_generate
 from .suffix import CorpusIndex, SuffixProposer, load_proposer
 from .tree import DraftTree, suffix_tree
@@ -55,22 +56,27 @@ class SuffixAssistant:
     """Suffix drafting bound to a target model, usable as `model.generate(..., assistant_model=self)`.
 
     Args:
-        model: any causal LM (batch size 1).
+        model: any causal LM. Batches (left-padded, as plain batched `generate` takes them) run
+            `batched.generate_batch`: each row its own proposer (a `fork`: the corpus shared) and tree.
         corpus: None (the sequence itself only), a corpus folder or Hub id (built with
             `python -m transformers_confu.training.suffix_corpus`), or a `CorpusIndex`.
         tokenizer: checks that the corpus was built with the model's tokenizer (default: the one saved with
             the model, `model.config.name_or_path`).
-        total_tokens: nodes verified per round (root included); a call can override it with
-            `tree_total_tokens=`.
+        total_tokens: nodes verified per round (root included; default `DEFAULT_TOTAL_TOKENS`); a call can
+            override it with `tree_total_tokens=`. Unless one of them is given, a batch runs
+            `batched.batch_budget`'s choice.
         **settings: `SuffixProposer` options (`max_depth`, `branch`, `max_match`, ...).
 
-    Attributes: `proposer` (the `SuffixProposer`), `stats` (`SpeculativeStats` of the last call).
+    Attributes: `proposer` (the `SuffixProposer`), `budget` (its tree bounds), `stats` (`SpeculativeStats` of the
+    last call; a `batched.BatchStats` for a batch).
     """
 
     routes_generate = True  # `model.generate(assistant_model=self)` runs `self.generate`
 
     def __init__(self, model: PreTrainedModel, corpus: str | os.PathLike | CorpusIndex | None = None,
-                 tokenizer=None, total_tokens: int = DEFAULT_TOTAL_TOKENS, **settings: Any) -> None:
+                 tokenizer=None, total_tokens: int | None = None, **settings: Any) -> None:
+        self._budget_set = total_tokens is not None
+        total_tokens = DEFAULT_TOTAL_TOKENS if total_tokens is None else total_tokens
         if total_tokens < 2:
             raise ValueError(f"total_tokens={total_tokens}: a suffix tree needs at least 2 nodes (the root and one).")
         settings.setdefault("max_nodes", total_tokens - 1)
@@ -80,17 +86,27 @@ class SuffixAssistant:
         self._static: dict | None = None
         wrap_generate(model)
 
+    @property
+    def budget(self) -> TreeBudget:
+        """The tree's bounds: the proposer's depth and branching, `total_tokens` nodes."""
+        return TreeBudget(depth=self.proposer.max_depth, top_k=self.proposer.branch, total_tokens=self.total_tokens)
+
     def generate(self, target: PreTrainedModel, input_ids: torch.LongTensor | None = None, **kwargs: Any):
         """Run suffix speculative decoding; called through `target.generate(assistant_model=self)`."""
-        input_ids = checked_input_ids(self.target, target, kwargs.pop("inputs", input_ids), "`SuffixAssistant(model)`")
-        total = kwargs.pop("tree_total_tokens", self.total_tokens)
+        input_ids, mask = kwargs.pop("inputs", input_ids), kwargs.pop("attention_mask", None)
+        batched = is_batch(input_ids, mask)
+        input_ids = checked_input_ids(self.target, target, input_ids, "`SuffixAssistant(model)`", batched)
+        tree_set = self._budget_set or "tree_total_tokens" in kwargs
+        budget = replace(self.budget, total_tokens=kwargs.pop("tree_total_tokens", self.total_tokens))
+        total = budget.total_tokens
         if total < 2:
             raise ValueError(f"tree_total_tokens={total}: a suffix tree needs at least 2 nodes.")
-        _check_attention_mask(kwargs.pop("attention_mask", None))
         tokenizer, streamer = kwargs.pop("tokenizer", None), kwargs.pop("streamer", None)
         config = _generation_config(target, kwargs)
-        budget = TreeBudget(depth=self.proposer.max_depth, top_k=self.proposer.branch, total_tokens=total)
         max_new = _max_new_tokens(config, input_ids.shape[1], budget, target)
+        if batched:  # B > 1 or left padding
+            return generate_batch(self, target, input_ids, mask, config, budget if tree_set else None, max_new,
+                                  tokenizer, streamer, suffix=self.proposer)
         self.stats = SpeculativeStats()
         static = None
         if uses_static_cache(config, "suffix"):

@@ -333,15 +333,16 @@ class TreeDrafter:
     `cache` is a `DynamicCache` (eager; lengths are host ints) or a static cache (lengths are 0-d device
     tensors); `calls` may replace `catch_up_step` and `draft_tree` by their compiled versions (static mode).
     With a `suffix` proposer, its candidates for the context (prompt + accepted tokens) join each tree under
-    the same `total_tokens` (a hybrid tree).
+    the same `total_tokens` (a hybrid tree); `pad` keeps every tree at its full size (padding nodes score -inf:
+    a static cache's fixed shapes, a batch's stacked rows).
     """
 
     def __init__(self, draft: ConFuDraftModel, depth: int, top_k: int, total_tokens: int,
                  temperature: float | None = None, cache=None, calls: dict | None = None,
-                 suffix: SuffixProposer | None = None) -> None:
+                 suffix: SuffixProposer | None = None, pad: bool | None = None) -> None:
         self.draft, self.depth, self.top_k, self.total_tokens = draft, depth, top_k, total_tokens
         self.temperature = temperature
-        self.pad = cache is not None  # a static cache: fixed shapes
+        self.pad = cache is not None if pad is None else pad  # fixed shapes (default: with a static cache)
         self.cache = DynamicCache() if cache is None else cache
         self.suffix = suffix
         if suffix is not None:
