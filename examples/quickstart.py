@@ -33,8 +33,10 @@ def main() -> None:
     assistant = ConFuAssistant.from_pretrained(DEFAULT_DRAFT, target_model=model)
     method = "EAGLE-3" if assistant.adapter is None else "ConFu, [con] tokens per verify pass: " + describe_con_tokens(
         assistant.contemplate_nodes, assistant.draft.config.contemplate_when_greedy)
-    budget = assistant.budget
-    tree = f"d{budget.depth}k{budget.top_k}n{budget.total_tokens}"
+    budget, suffix = assistant.budget, assistant.suffix
+    tree = f"d{budget.depth}k{budget.top_k}n{budget.total_tokens}" + (f"s{suffix.max_nodes}" if suffix else "")
+    if suffix:
+        method += f"; hybrid: up to {suffix.max_nodes} of the {budget.total_tokens} nodes from suffix drafting"
     print(f"Draft: {DEFAULT_DRAFT.name} ({method}); tree {tree} (depth {budget.depth}, top-k {budget.top_k}, "
           f"{budget.total_tokens} nodes)")
     plain_s = spec_s = 0.0

@@ -10,7 +10,7 @@ import torch
 from transformers_confu import ConFuAssistant, ConFuDraftConfig, SuffixAssistant, load_target
 from transformers_confu.benchmark.questions import chat_input_ids
 from transformers_confu.decoding.suffix import SHIPPED_CORPUS
-from transformers_confu.models.target import CHECKPOINTS
+from transformers_confu.models.target import CHECKPOINTS, DEFAULT_DRAFT
 
 pytestmark = pytest.mark.slow
 # The shipped drafts (the checkpoints folder also holds the suffix corpus, which is not a draft).
@@ -77,3 +77,19 @@ def test_real_target_suffix_assistant_greedy_identity(target, corpus):
     out = model.generate(ids, max_new_tokens=40, do_sample=False, assistant_model=assistant)
     assert torch.equal(out, ref), tokenizer.decode(out[0, ids.shape[1]:])
     assert assistant.stats.new_tokens == ref.shape[1] - ids.shape[1]
+
+
+def test_default_draft_drafts_hybrid_trees_with_its_saved_budget(target):
+    """The shipped default: the ConFu draft with the corpus beside it, at the hybrid budget saved with it."""
+    model, tokenizer = target
+    assistant = ConFuAssistant.from_pretrained(DEFAULT_DRAFT, target_model=model)
+    hybrid = json.loads((DEFAULT_DRAFT / "suffix_corpus" / "config.json").read_text())["hybrid"]
+    assert assistant.suffix.corpus is not None and assistant.suffix.max_nodes == hybrid["suffix_nodes"]
+    assert assistant.budget.total_tokens == hybrid["total_tokens"]
+    ids = chat_input_ids(tokenizer, ["Repeat this sentence three times: The quick brown fox jumps over the lazy dog."])
+    ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=40, do_sample=False)
+    out = model.generate(ids, max_new_tokens=40, do_sample=False, assistant_model=assistant)
+    assert torch.equal(out, ref), tokenizer.decode(out[0, ids.shape[1]:])
+    sources = assistant.stats.accepted_by_source
+    assert sources.get("suffix", 0) + sources.get("both", 0) > 0, sources
+    assert ConFuAssistant.from_pretrained(DEFAULT_DRAFT, target_model=model, suffix=False).suffix is None

@@ -162,3 +162,15 @@ def test_shipped_draft_remote_code_matches_the_package():
     for folder in folders:
         for name in ("configuration_confu.py", "modeling_confu.py"):
             assert (folder / name).read_text() == (models / name).read_text(), (folder.name, name)
+
+
+def test_model_card_describes_the_suffix_corpus_beside_a_draft(tmp_path):
+    from transformers_confu.models.hub import SUFFIX_FOLDER, suffix_corpus_section
+    from transformers_confu.models.target import CHECKPOINTS, CONFU_DRAFT
+
+    assert suffix_corpus_section(CHECKPOINTS / "smollm2-135m-instruct-eagle3") == []  # no corpus beside it
+    section = "\n".join(suffix_corpus_section(CONFU_DRAFT))
+    corpus = json.loads((CONFU_DRAFT / SUFFIX_FOLDER / "config.json").read_text())
+    assert f"{corpus['documents']:,} of the target's own answers" in section
+    assert f"{corpus['hybrid']['total_tokens']} nodes, up to {corpus['hybrid']['suffix_nodes']} of them" in section
+    assert section in (CONFU_DRAFT / "README.md").read_text()  # the shipped card is up to date

@@ -25,12 +25,13 @@ from ..models.checkpoints import draft_problem
 from ..models.configuration_confu import ConFuDraftConfig
 from ..models.contemplate import ADAPTER_FOLDER, ContemplateAdapter
 from ..models.eagle3_format import is_eagle3_config, load_eagle3, read_config, save_eagle3
+from ..models.hub import SUFFIX_FOLDER
 from ..models.modeling_confu import ConFuDraftModel
 from ..utils.cache import full_attention, keep_path, static_cache, truncate_cache
 from ..utils.packed_linear import pack_linear_weights
 from .batched import generate_batch, is_batch
 from .generation import SpeculativeStats, StaticTarget, TreeBudget, speculative_generate
-from .suffix import SUFFIX_FOLDER, SuffixProposer, load_proposer
+from .suffix import SuffixProposer, load_proposer
 from .tree import TreeDrafter, catch_up_step, draft_tree
 
 # generate() options that change the output in ways this loop does not reproduce, with neutral values.

@@ -29,7 +29,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from ..models.target import CHECKPOINTS
+from ..models.hub import SUFFIX_FOLDER
+from ..models.target import CONFU_DRAFT
 from .suffix_index import CorpusIndex, SequenceIndex
 
 SOURCES = ("sequence", "corpus")
@@ -272,8 +273,7 @@ def calibration_summary(calibration: Calibration) -> dict:
 
 
 
-SUFFIX_FOLDER = "suffix_corpus"  # a corpus saved beside a draft, which its assistant then uses
-SHIPPED_CORPUS = CHECKPOINTS / "smollm2-135m-instruct-suffix-corpus"  # SmolLM2-135M-Instruct's own answers
+SHIPPED_CORPUS = CONFU_DRAFT / SUFFIX_FOLDER  # SmolLM2-135M-Instruct's own answers, beside the default draft
 
 
 def target_tokenizer(model):

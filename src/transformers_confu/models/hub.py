@@ -7,6 +7,8 @@ from pathlib import Path
 
 from .contemplate import ADAPTER_FOLDER
 
+SUFFIX_FOLDER = "suffix_corpus"  # a suffix corpus saved beside a draft, which its assistant then uses (hybrid trees)
+
 _DATASETS = {
     "gsm8k_train.jsonl": "openai/gsm8k",
     "gpteacher_codegen_instruct.json": "teknium/GPTeacher-General-Instruct",
@@ -100,11 +102,30 @@ def model_card(draft_dir: str | Path, base_model: str, bench: dict | None = None
             lines.append(f"| {name} | {tau} | {c['tokens_per_s']:.2f} | {c['speedup']:.2f}x | "
                          f"{c.get('identical', 'n/a')} |")
         lines += ["", f"Command: `{meta['command']}`", ""]
-    lines += ["## Limits", "", "- batch size 1; greedy and temperature/top-k/top-p/min-p sampling",
+    lines += suffix_corpus_section(draft_dir)
+    lines += ["## Limits", "", "- greedy and temperature/top-k/top-p/min-p sampling; batches of left-padded prompts",
               "- trained for this target only (loading it for another target raises an error)", ""]
     if notes:
         lines += ["## Notes", "", notes, ""]
     return "\n".join(header + lines)
+
+
+def suffix_corpus_section(draft_dir: str | Path) -> list[str]:
+    """The card's lines on the suffix corpus saved beside the draft (`suffix_corpus/`), if there is one."""
+    path = Path(draft_dir) / SUFFIX_FOLDER / "config.json"
+    if not path.is_file():
+        return []
+    corpus, size = json.loads(path.read_text()), sum(f.stat().st_size for f in path.parent.iterdir())
+    hybrid = corpus.get("hybrid", {})
+    lines = ["## Suffix corpus (hybrid trees)", "",
+             f"`{SUFFIX_FOLDER}/`: a suffix array over {corpus['documents']:,} of the target's own answers "
+             f"({corpus['tokens']:,} tokens, {size / 1e6:.1f} MB, memory-mapped), tokenizer fingerprint "
+             f"`{corpus['tokenizer_fingerprint']}`. Its continuations of the context join the draft's tree under one "
+             "node budget (`suffix=False` in `from_pretrained` or `generate` drafts alone)."]
+    if hybrid:
+        lines.append(f"Default hybrid tree: {hybrid['total_tokens']} nodes, up to {hybrid['suffix_nodes']} of them "
+                     f"suffix candidates ({hybrid.get('chosen_by', 'saved with the corpus')}).")
+    return lines + [""]
 
 
 def _cli(args: dict) -> list[str]:
