@@ -381,3 +381,16 @@ def test_static_cache_regeneration_gives_the_growing_cache_answers(tokenizer):
     growing = generate_answers(model, tokenizer, prompts, settings, seed=0, static=False)
     static = generate_answers(model, tokenizer, prompts, settings, seed=0, static=True)
     assert static == growing and any(growing[0])
+
+
+def test_a_dataset_folder_is_read_with_the_shards_appended_since_its_last_read(tmp_path):
+    """datasets caches a local folder by its path: a shard appended later would be missed without a rebuild."""
+    folder = tmp_path / "answers"
+    (folder / "data").mkdir(parents=True)
+    (folder / "README.md").write_text("---\nconfigs:\n- config_name: default\n  data_files:\n  - split: train\n"
+                                      "    path: data/train-*.parquet\n---\n")
+    row = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+    pd.DataFrame([row]).to_parquet(folder / "data" / "train-00000.parquet")
+    assert len(load_conversations([str(folder)])) == 1
+    pd.DataFrame([row, row]).to_parquet(folder / "data" / "train-00001.parquet")
+    assert len(load_conversations([str(folder)])) == 3

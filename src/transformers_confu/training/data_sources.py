@@ -108,6 +108,8 @@ def _rows(source: str) -> Iterator[tuple[str, object]]:
                 if line.strip():
                     yield f"line {number}", _parse(line)
             return
+    elif path.is_dir():  # a data set folder: rebuilt each time (datasets' cache of a folder misses added shards)
+        table = _load(path.name, source, download_mode="force_redownload", verification_mode="no_checks")
     else:
         repo, _, split = source.partition(":")
         table = _load(source, repo, split=split or "train")
