@@ -381,10 +381,7 @@ def batched_generate(
                                                                                          roots[:, None])
         hits = None if cons is None else cons == lasts  # each row's [con] of its last accepted node, if it had one
         fresh = torch.zeros_like(sizes) if hits is None else hits.any(1).long()
-        origins = []
-        if trees[0].sources is not None:  # padding nodes (score -inf) come from no source (0, as the root)
-            scores = torch.stack([t.scores for t in trees])
-            origins = [torch.stack([t.sources for t in trees]).masked_fill(scores.isinf(), 0).gather(1, paths)]
+        origins = [] if trees[0].sources is None else [torch.stack([t.sources for t in trees]).gather(1, paths)]
         read = torch.cat([sizes[:, None], fresh[:, None], next_ids, *origins], 1).tolist()  # the round's one host sync
         counts = [r[0] for r in read]
         verify.keep(paths, counts)

@@ -292,8 +292,9 @@ def speculative_generate(
         read = torch.cat([size[None], con_hit, next_ids[0], *origins]).tolist()  # the round's one host sync
         n, fresh, accepted = read[0], read[1], read[2 : 2 + read[0]]
         for origin in read[2 + next_ids.shape[1] :][1:n]:  # where the accepted nodes below the root came from
-            name = SOURCE_NAMES[origin]
-            stats.accepted_by_source[name] = stats.accepted_by_source.get(name, 0) + 1
+            if origin:  # not a padding node
+                name = SOURCE_NAMES[origin]
+                stats.accepted_by_source[name] = stats.accepted_by_source.get(name, 0) + 1
         count = n if static is None else size
         verify.keep(path, at, count)
         prior = None

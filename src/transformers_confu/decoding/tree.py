@@ -45,7 +45,8 @@ class DraftTree:
             candidates: their log acceptance estimate; -inf for padding nodes that nothing proposes).
         point_from: the first column of `child_tokens` holding deterministic (point-mass) proposals, the
             suffix candidates; None if there are none.
-        sources: (N,) where each node came from with suffix candidates: 0 the root, 1 drafted, 2 suffix, 3 both.
+        sources: (N,) where each node came from with suffix candidates: 0 the root or a padding node (nothing
+            proposed it), 1 drafted, 2 suffix, 3 both.
     """
 
     tokens: torch.Tensor
@@ -290,7 +291,8 @@ def _select(root, tokens, scores, parents, levels, rows, row_children, row_q, to
         proposals=proposals,
         scores=torch.cat([scores.new_zeros(1), scores[chosen]]),
         point_from=None if extra is None else width,
-        sources=None if origins is None else torch.cat([origins.new_zeros(1), origins[chosen]]),
+        sources=None if origins is None else torch.cat([origins.new_zeros(1),
+                                                         origins[chosen].masked_fill(scores[chosen].isinf(), 0)]),
     )
 
 
