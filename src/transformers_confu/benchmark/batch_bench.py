@@ -20,6 +20,7 @@ from tqdm.auto import tqdm
 from ..decoding.assistant import ConFuAssistant
 from ..decoding.batched import eos_token_ids, real_lengths
 from ..decoding.suffix_assistant import SuffixAssistant
+from .assistants import budget_name, draft_assistant
 from .questions import chat_input_ids
 
 
@@ -61,12 +62,10 @@ def batch_methods(model, drafts: list[str], trees: list[tuple[int, int, int]], s
     hybrids = list(hybrid_trees) if "hybrid" in suffix else []
     for path in drafts:
         for budget in [None, *trees, *hybrids]:
-            options = {} if budget is None else dict(zip(("depth", "top_k", "total_tokens"), budget))
-            if budget is not None and len(budget) > 3:  # a hybrid tree: the draft's and the suffix's candidates
-                options.update(suffix=suffix_corpus, suffix_nodes=budget[3])
-            assistant = ConFuAssistant.from_pretrained(path, target_model=model, **options)
-            kind = ("eagle3" if assistant.adapter is None else "confu") + ("-hybrid" if "suffix" in options else "")
-            label = "auto" if budget is None else "d{}k{}n{}".format(*budget) + "".join(f"s{s}" for s in budget[3:])
+            assistant = (ConFuAssistant.from_pretrained(path, target_model=model) if budget is None
+                         else draft_assistant(model, path, budget, suffix_corpus))
+            kind = ("eagle3" if assistant.adapter is None else "confu") + ("-hybrid" if budget and len(budget) > 3 else "")
+            label = "auto" if budget is None else budget_name(budget)
             methods.append(BatchMethod(f"{kind}:{Path(path).name}:{label}", _speculative(model, assistant, sampling),
                                        assistant))
     return methods

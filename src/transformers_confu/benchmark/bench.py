@@ -23,11 +23,11 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from ..decoding.assistant import ConFuAssistant
 from ..decoding.suffix import SHIPPED_CORPUS
 from ..decoding.suffix_assistant import DEFAULT_TOTAL_TOKENS, SuffixAssistant
 from ..models.target import DEFAULT_DRAFT, DEFAULT_TARGET, load_target
 from ..utils.packed_linear import packed_kernels
+from .assistants import budget_name, draft_assistant
 from .batch_bench import batch_methods, run_batches
 from .quality import quality_check, quality_markdown
 from .questions import (
@@ -62,7 +62,7 @@ def auto_tree(model, tokenizer, path: str, questions: list[dict], candidates: li
     """
     speeds = {}
     for budget in tqdm(candidates, desc="auto-tree calibration"):
-        assistant = _draft_assistant(model, path, budget, suffix_corpus)
+        assistant = draft_assistant(model, path, budget, suffix_corpus)
         tokens = seconds = 0.0
         for question in questions:
             model.generate(chat_input_ids(tokenizer, question["turns"][:1]), max_new_tokens=max_new_tokens,
@@ -72,19 +72,6 @@ def auto_tree(model, tokenizer, path: str, questions: list[dict], candidates: li
         speeds[budget_name(budget)] = tokens / seconds
     best = max(candidates, key=lambda b: speeds[budget_name(b)])
     return best, speeds
-
-
-def _draft_assistant(model, path: str, budget: tuple[int, ...], suffix_corpus: str | None) -> ConFuAssistant:
-    """The draft at `budget`: (depth, top_k, total_tokens) alone, (..., suffix_nodes) a hybrid tree with `suffix_corpus`."""
-    depth, top_k, total, *nodes = budget
-    extra = dict(suffix=suffix_corpus, suffix_nodes=nodes[0]) if nodes else dict(suffix=False)
-    return ConFuAssistant.from_pretrained(path, target_model=model, depth=depth, top_k=top_k, total_tokens=total,
-                                          **extra)
-
-
-def budget_name(budget: tuple[int, ...]) -> str:
-    """`d2k1n3` for a draft's budget, `d2k1n8s6` for a hybrid one (6 suffix candidates)."""
-    return "d{}k{}n{}".format(*budget[:3]) + (f"s{budget[3]}" if len(budget) > 3 else "")
 
 
 def build_methods(model, drafts: list[str], trees: list[tuple[int, int, int]], sampling: dict,
@@ -130,7 +117,7 @@ def build_methods(model, drafts: list[str], trees: list[tuple[int, int, int]], s
     budgets = list(trees) + (list(hybrid_trees) if "hybrid" in suffix else [])
     for path in drafts:
         for budget in budgets:
-            assistant = _draft_assistant(model, path, budget, suffix_corpus)
+            assistant = draft_assistant(model, path, budget, suffix_corpus)
             tree = f"{Path(path).name}:{budget_name(budget)}"
             kind = "-hybrid" if len(budget) > 3 else ""
             for loop in loops:
