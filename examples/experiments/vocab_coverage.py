@@ -3,9 +3,12 @@ of the N most frequent training tokens contains (every uncovered token ends a sp
 
     python examples/experiments/vocab_coverage.py --data-dir ../shared/data/train --regenerate-dir runs/regen-greedy \
         --dev-answers results/bench_dev_t0_answers/generate.jsonl --out results/vocab_coverage
+    python examples/experiments/vocab_coverage.py --data data/smollm2-135m-instruct-answers \
+        --dev-answers results/bench_dev_t0_answers/generate.jsonl --out results/vocab_coverage_dataset
 
 The vocabulary is built as `confu-train --regenerate` builds it (`build_draft_vocab` on the conversations answered
-so far in the regeneration directory); coverage is reported on those answers and on the target's greedy answers to
+so far in the regeneration directory, or on the conversations of `--data` as they are: the target's answers already
+in them, as in the answers dataset); coverage is reported on those answers and on the target's greedy answers to
 the dev questions (a Spec-Bench answer file of plain `generate`), per category.
 """
 
@@ -36,18 +39,25 @@ def _ids(tokenizer, text: str) -> list[int]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default="smollm2-135m-instruct")
-    p.add_argument("--data-dir", required=True, help="the training conversations (prompts)")
-    p.add_argument("--regenerate-dir", required=True, help="a regeneration directory (confu-train --regenerate-dir)")
+    p.add_argument("--data", nargs="*", default=[], help="answered conversations (e.g. the answers dataset folder), "
+                   "taken as they are; or --data-dir with --regenerate-dir")
+    p.add_argument("--data-dir", help="the training conversations (prompts)")
+    p.add_argument("--regenerate-dir", help="a regeneration directory (confu-train --regenerate-dir)")
     p.add_argument("--max-length", type=int, default=512)
     p.add_argument("--dev-answers", required=True, help="Spec-Bench answer file of plain generate on the dev set")
     p.add_argument("--sizes", default="2048,4096,8192,16384,32768")
     p.add_argument("--drafts", nargs="*", default=[], help="also the coverage of these drafts' own vocabularies")
     p.add_argument("--out", required=True, help="writes OUT.md and OUT.json")
     args = p.parse_args()
+    if bool(args.data) == bool(args.data_dir and args.regenerate_dir):
+        p.error("give either --data (answered conversations) or both --data-dir and --regenerate-dir")
     model, tokenizer = load_target(args.target)
-    conversations = load_conversations(find_sources(data_dir=args.data_dir))
-    answered = regenerate_responses(conversations, model, tokenizer, args.regenerate_dir,
-                                    max_prompt_tokens=args.max_length - 64, max_minutes=0)  # reads, generates nothing
+    if args.data:
+        answered = load_conversations(find_sources(data=args.data))
+    else:
+        conversations = load_conversations(find_sources(data_dir=args.data_dir))
+        answered = regenerate_responses(conversations, model, tokenizer, args.regenerate_dir,
+                                        max_prompt_tokens=args.max_length - 64, max_minutes=0)  # reads only
     train = tokenize_conversations(answered, tokenizer, max_length=args.max_length)
     dev = defaultdict(list)
     for line in Path(args.dev_answers).read_text().splitlines():
@@ -69,12 +79,13 @@ def main() -> None:
         row.update({f"dev_{c}": float(np.isin(np.array(v), vocab).mean()) for c, v in sorted(dev.items())})
         rows.append(row)
     summary = {"command": "python examples/experiments/vocab_coverage.py " + " ".join(
-        f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "target"),
+        f"--{k.replace('_', '-')} {' '.join(v) if isinstance(v, list) else v}" for k, v in vars(args).items()
+        if k != "target" and v not in (None, [])),
         "train_answers": len(train), "dev_tokens": int(len(dev_all)), "rows": rows}
     Path(args.out).with_suffix(".json").write_text(json.dumps(summary, indent=2))
     cats = sorted(dev)
     md = [f"# Draft-vocabulary coverage\n\n`{summary['command']}`\n",
-          f"Vocabulary = `build_draft_vocab` over {len(train)} regenerated conversations (the N most frequent answer "
+          f"Vocabulary = `build_draft_vocab` over {len(train)} answered conversations (the N most frequent answer "
           f"tokens, then prompt tokens); coverage = share of the target's emitted tokens inside it ({len(dev_all)} "
           "dev tokens).\n",
           "| N | train answers | dev (all) | " + " | ".join(cats) + " |", "|---" * (3 + len(cats)) + "|"]
