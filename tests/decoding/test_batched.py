@@ -192,8 +192,9 @@ def sampling_setup():
     return target, assistant, prompts, [exact_distribution(target, p) for p in prompts]
 
 
-@pytest.mark.parametrize("top_k", [1, 2], ids=["chain", "tree"])
-def test_sampling_matches_exact_distribution_per_row(sampling_setup, top_k):
+@pytest.mark.parametrize("top_k, options", [(1, {}), (2, {}), (2, dict(cache_implementation="static"))],
+                         ids=["chain", "tree", "tree-static"])
+def test_sampling_matches_exact_distribution_per_row(sampling_setup, top_k, options):
     target, assistant, prompts, exact = sampling_setup
     ids = torch.tensor([[1, 4, 2], [0, 3, 5]])
     mask = torch.tensor([[1, 1, 1], [0, 1, 1]])
@@ -202,7 +203,7 @@ def test_sampling_matches_exact_distribution_per_row(sampling_setup, top_k):
     for _ in range(SAMPLES):
         out = target.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=True, temperature=TEMPERATURE,
                               top_k=TOP_K, pad_token_id=0, assistant_model=assistant, tree_depth=2, tree_top_k=top_k,
-                              tree_total_tokens=2 + top_k)
+                              tree_total_tokens=2 + top_k, **options)
         for row in range(2):
             key = tuple(out[row, 3:].tolist())
             counts[row][key] = counts[row].get(key, 0) + 1
@@ -218,7 +219,7 @@ def test_sampling_matches_exact_distribution_per_row(sampling_setup, top_k):
         (dict(attention_mask=torch.tensor([[0, 0, 0, 0], [1, 1, 1, 1]])), "all padding"),
         (dict(attention_mask=torch.ones(2, 3, dtype=torch.long)), "shape"),
         (dict(streamer=object()), "streamer"),
-        (dict(cache_implementation="static"), "batch size 1"),
+        (dict(cache_implementation="offloaded"), "not supported"),
         (dict(input_ids=torch.tensor([[0, 0, 5, 6], [1, 2, 3, 4]]), pad_token_id=0), "no attention_mask"),
     ],
 )

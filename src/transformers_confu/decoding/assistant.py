@@ -27,9 +27,9 @@ from ..models.contemplate import ADAPTER_FOLDER, ContemplateAdapter
 from ..models.eagle3_format import is_eagle3_config, load_eagle3, read_config, save_eagle3
 from ..models.hub import SUFFIX_FOLDER
 from ..models.modeling_confu import ConFuDraftModel
-from ..utils.cache import full_attention, keep_path, static_cache, truncate_cache
+from ..utils.cache import full_attention, keep_path, reset_cache, static_cache
 from ..utils.packed_linear import pack_linear_weights
-from .batched import generate_batch, is_batch
+from .batched import generate_batch, is_batch, move_rows
 from .generation import SpeculativeStats, StaticTarget, TreeBudget, speculative_generate
 from .suffix import SuffixProposer, load_proposer
 from .tree import TreeDrafter, catch_up_step, draft_tree
@@ -230,15 +230,16 @@ class ConFuAssistant:
         if not (nodes_set or config.do_sample or self.draft.config.contemplate_when_greedy):
             contemplate_nodes = 0
         max_new = _max_new_tokens(config, input_ids.shape[1], budget, target)
+        parts = {}
+        if uses_static_cache(config, "ConFu"):
+            parts = self._static_parts(config, input_ids.shape[1] + max_new, budget,
+                                       input_ids.shape[0] if batched else None)
         if batched:  # B > 1 or left padding: batched.py
             return generate_batch(self, target, input_ids, mask, config, budget if tree_set else None, max_new,
                                   tokenizer, streamer, contemplate_nodes, future_logit_weight,
-                                  self.suffix if use_suffix else None)
-        self.stats = SpeculativeStats()
+                                  self.suffix if use_suffix else None, parts or None)
+        self.stats = SpeculativeStats(mode="static" if parts else "eager")
         temperature = (config.temperature or 1.0) if config.do_sample else None
-        parts = {}
-        if uses_static_cache(config, "ConFu"):
-            parts, self.stats.mode = self._static_parts(config, input_ids.shape[1] + max_new, budget), "static"
         suffix = self.suffix if use_suffix else None
         drafter = TreeDrafter(self.draft, budget.depth, budget.top_k, budget.total_tokens, temperature,
                               parts.get("draft_cache"), parts.get("draft_calls"), suffix)
@@ -249,12 +250,14 @@ class ConFuAssistant:
         self.stats.suffix_seconds = 0.0 if suffix is None else suffix.seconds
         return output
 
-    def _static_parts(self, config: GenerationConfig, length: int, budget: TreeBudget) -> dict[str, Any]:
-        """Static mode: `static_parts` for target and draft, sized to `length` tokens plus the soft prompt and
-        the tree, kept on the assistant and reused by later calls of the same capacity and compile settings."""
+    def _static_parts(self, config: GenerationConfig, length: int, budget: TreeBudget, batch: int | None
+                      ) -> dict[str, Any]:
+        """Static mode: `static_parts` for target and draft, sized to `length` tokens per row plus the soft
+        prompt and the tree (a batch's budget is at most `budget`'s), kept on the assistant and reused by later
+        calls of the same capacity, batch size (None: the batch-1 loop) and compile settings."""
         offset = 0 if self.adapter is None else self.adapter.num_soft_tokens
         needed = offset + length + 2 * budget.total_tokens + budget.depth * (budget.top_k + 1) + 2
-        self._static = static_parts(self.target, config, needed, self.__dict__.get("_static"), draft=True)
+        self._static = static_parts(self.target, config, needed, self.__dict__.get("_static"), True, batch)
         return self._static
 
 
@@ -269,33 +272,42 @@ def uses_static_cache(config: GenerationConfig, assistant: str) -> bool:
 
 
 def static_parts(target: PreTrainedModel, config: GenerationConfig, needed: int, kept: dict[str, Any] | None,
-                 draft: bool) -> dict[str, Any]:
+                 draft: bool, batch: int | None = None) -> dict[str, Any]:
     """The static mode's preallocated caches and the calls that run them: the target's cache of `needed`
-    positions rounded up to a multiple of `STATIC_BUCKET` (so prompts of similar length share one compiled
-    shape) with its tree pass and path compaction, and with `draft` the draft's cache and its catch-up and
-    whole-tree drafting calls. Compiled (each one graph) where transformers' `generate` compiles a static
-    cache (CUDA/XPU, or `compile_config._compile_all_devices`; never with `disable_compile`), with its
-    `compile_config`; uncompiled on a CPU, attention sees only the filled positions. `kept`, the parts of an
-    earlier call, is emptied and returned when its capacity and compile settings match."""
+    positions per row rounded up to a multiple of `STATIC_BUCKET` (so prompts of similar length share one
+    compiled shape) with its tree pass and path compaction (`keep_path`; for the batched loop, `batch` rows,
+    `batched.move_rows`), and with `draft` the draft's cache (the batched loop's chain drafter: of `batch` rows) and
+    its catch-up and whole-tree drafting calls (the batched loop: also one batch-1 draft cache per row,
+    `row_draft_caches`, for per-row tree drafters). Compiled (each
+    one graph) where transformers' `generate` compiles a static cache (CUDA/XPU, or
+    `compile_config._compile_all_devices`; never with `disable_compile`), with its `compile_config`; uncompiled
+    on a CPU, attention sees only the filled positions. `kept`, the parts of an earlier call, is emptied and
+    returned when its capacity, batch size and compile settings match."""
     check_full_attention(target)
     options = compile_options(config, target)
-    key = (static_capacity(needed), repr(options))
+    key = (static_capacity(needed), batch, repr(options))
+    caches = ("draft_cache", "row_draft_caches") if draft else ()
     if kept is not None and kept["key"] == key:
-        truncate_cache(kept["target"].cache, 0)
-        if draft:
-            truncate_cache(kept["draft_cache"], 0)
+        for cache in [kept["target"].cache, *(c for name in caches for c in _listed(kept.get(name)))]:
+            reset_cache(cache)
         return kept
     compile = options is not None
     filled = not compile and target.device.type == "cpu"
     cache = static_cache(target.config.num_hidden_layers, key[0], filled)
     parts = {"key": key, "target": StaticTarget(cache, torch.compile(target, **options),
-                                                torch.compile(keep_path, **options)) if compile
-             else StaticTarget(cache, target)}
+                                                torch.compile(keep_path if batch is None else move_rows, **options))
+             if compile else StaticTarget(cache, target)}
     if draft:
         parts["draft_cache"] = static_cache(1, key[0], filled)
         parts["draft_calls"] = {"catch_up": torch.compile(catch_up_step, **options),
                                 "propose": torch.compile(draft_tree, **options)} if compile else None
+        if batch is not None:
+            parts["row_draft_caches"] = [static_cache(1, key[0], filled) for _ in range(batch)]
     return parts
+
+
+def _listed(value) -> list:
+    return [] if value is None else value if isinstance(value, list) else [value]
 
 
 def checked_input_ids(own: PreTrainedModel, target: PreTrainedModel, input_ids: torch.LongTensor | None,

@@ -12,18 +12,21 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 from transformers import Cache, DynamicCache, GenerationConfig, PreTrainedModel
+from transformers.cache_utils import StaticLayer
 
 from ..models.contemplate import ContemplateAdapter, soft_prompt_mask
 from ..models.modeling_confu import ConFuDraftModel
-from ..utils.cache import cache_kwargs, full_attention, growing_cache, truncate_cache
+from ..utils.cache import cache_kwargs, full_attention, growing_cache, key_width, truncate_cache
 from ..utils.masks import to_additive
 from .generation import (
     SOURCE_NAMES,
     SpeculativeStats,
+    StaticTarget,
     TreeBudget,
     _append,
     _probs,
@@ -31,7 +34,7 @@ from .generation import (
     stopping_criteria,
 )
 from .suffix import SuffixProposer
-from .tree import DraftTree, TreeDrafter, _pick
+from .tree import DraftTree, TreeDrafter, _pick, pad_keys
 from .verify import accept_greedy, accept_sampling
 
 
@@ -77,64 +80,90 @@ def batch_budget(budget: TreeBudget, batch_size: int, device_type: str = "cpu", 
 
 
 class RowCache:
-    """A key/value cache whose rows hold different numbers of entries: row b's are `[start[b], end[b])` (host
-    ints); entries past a row's end are stale and masked."""
+    """A key/value cache (growing, or static: `utils.cache.static_cache`) whose rows hold different numbers of
+    entries: row b's are `[start[b], end[b])` (host ints); entries past a row's end are stale and masked. `move`:
+    `keep`'s fixed-shape copy (`move_rows`, or its compiled version)."""
 
-    def __init__(self, cache: Cache, start: list[int], end: list[int]) -> None:
-        self.cache, self.start, self.end = cache, start, end
+    def __init__(self, cache: Cache, start: list[int], end: list[int], move: Callable | None = None) -> None:
+        self.cache, self.start, self.end, self.move = cache, start, end, move or move_rows
 
     @property
-    def width(self) -> int:
-        return self.cache.layers[0].keys.shape[-2]
+    def filled(self) -> int:
+        """The entries written: where the next pass writes."""
+        return max(self.end)
 
     def visible(self, device: torch.device) -> torch.Tensor:
-        """(B, width) bool: the cached keys each row sees."""
-        keys = torch.arange(self.width, device=device)
+        """(B, filled) bool: the cached keys each row sees."""
+        keys = torch.arange(self.filled, device=device)
         start, end = torch.tensor([self.start, self.end], device=device)[..., None]  # one host-to-device copy
         return (keys >= start) & (keys < end)
+
+    def mask(self, new: torch.Tensor, dtype: torch.dtype, prefix: torch.Tensor | None = None) -> torch.Tensor:
+        """The additive (B, 1, Q, W) mask of Q queries that see the cached keys `prefix` says ((B, filled) or
+        (B, Q, filled) bool; default `visible`) and, of K entries written after them, those `new` (B, Q, K) says;
+        W: the cache's key axis after that write (a `StaticLayer`'s capacity: the rest hidden)."""
+        rows, queries, count = new.shape
+        prefix = self.visible(new.device) if prefix is None else prefix
+        if prefix.ndim == 2:
+            prefix = prefix[:, None].expand(rows, queries, -1)
+        return pad_keys(to_additive(torch.cat([prefix, new], -1), dtype)[:, None],
+                        key_width(self.cache, self.filled + count))
 
     def keep(self, base: int, paths: torch.Tensor, counts: list[int]) -> None:
         """After a pass appended entries at `base`: move row b's `base + paths[b, :counts[b]]` down to its end
         and drop the rest (`paths` (B, P), P at most the number of entries appended)."""
-        rows, width = paths.shape
-        source = (paths + base)[:, None, :, None]
         ends = torch.tensor(self.end, device=paths.device)
-        dest = (ends[:, None] + torch.arange(width, device=paths.device))[:, None, :, None]
-        for layer in self.cache.layers:
-            for states in (layer.keys, layer.values):
-                shape = (rows, states.shape[1], width, states.shape[3])
-                states.scatter_(2, dest.expand(shape), states.gather(2, source.expand(shape)))
+        self.move(self.cache, paths + base, ends[:, None] + torch.arange(paths.shape[1], device=paths.device))
         self.end = [end + count for end, count in zip(self.end, counts)]
-        truncate_cache(self.cache, max(self.end))
+        truncate_cache(self.cache, self.filled)
 
     def select(self, rows: list[int]) -> None:
-        """Keep only these rows (in this order)."""
+        """Keep only these rows (in this order); a static layer's rows are compacted into its buffer's first
+        ones (`utils.cache.reset_cache` gives it back whole)."""
         index = torch.tensor(rows, device=self.cache.layers[0].keys.device)
-        for layer in self.cache.layers:
-            layer.keys, layer.values = layer.keys[index], layer.values[index]
         self.start, self.end = [self.start[r] for r in rows], [self.end[r] for r in rows]
-        truncate_cache(self.cache, max(self.end))
+        for layer in self.cache.layers:
+            if isinstance(layer, StaticLayer):
+                for states in (layer.keys, layer.values):
+                    states[: len(rows), :, : self.filled] = states[index, :, : self.filled]
+                layer.keys, layer.values = layer.keys[: len(rows)], layer.values[: len(rows)]
+            else:
+                layer.keys, layer.values = layer.keys[index], layer.values[index]
+        truncate_cache(self.cache, self.filled)
+
+
+def move_rows(cache: Cache, source: torch.Tensor, dest: torch.Tensor) -> None:
+    """In every layer, copy row b's entries `source[b]` (P,) to `dest[b]` (P,): one fixed-shape gather and
+    scatter (the static mode compiles it)."""
+    source, dest = source[:, None, :, None], dest[:, None, :, None]
+    for layer in cache.layers:
+        for states in (layer.keys, layer.values):
+            shape = (source.shape[0], states.shape[1], source.shape[2], states.shape[3])
+            states.scatter_(2, dest.expand(shape), states.gather(2, source.expand(shape)))
 
 
 class _BatchTarget:
     """The target's passes over a left-padded batch: the prompt pass, then one pass over every row's tree (and,
-    with a `ContemplateAdapter`, its `[con]` tokens, which alone see the soft prompt's `offset` entries)."""
+    with a `ContemplateAdapter`, its `[con]` tokens, which alone see the soft prompt's `offset` entries).
+    `static`: the static mode's cache (empty, B rows) and calls (the prompt pass always runs the model itself);
+    default a growing cache."""
 
     def __init__(self, model: PreTrainedModel, feature_layers: list[int], adapter: ContemplateAdapter | None,
-                 pads: list[int], reserve: int, con_logits: bool = False) -> None:
+                 pads: list[int], reserve: int, con_logits: bool = False, static: StaticTarget | None = None) -> None:
         self.model, self.layers, self.adapter, self.con_logits = model, feature_layers, adapter, con_logits
-        cache = growing_cache(model.config, reserve)
+        cache = growing_cache(model.config, reserve) if static is None else static.cache
+        self.call = model if static is None else static.call
         self.offset = 0 if adapter is None else adapter.num_soft_tokens
         if adapter is not None:
-            adapter.prefilled_cache(model, cache)
-            for layer in cache.layers:
-                layer.keys, layer.values = (s.expand(len(pads), -1, -1, -1).contiguous() for s in (layer.keys, layer.values))
-        self.rows = RowCache(cache, [self.offset + pad for pad in pads], [self.offset] * len(pads))
+            for index, kv in enumerate(adapter.constant_soft_kv(model)):
+                cache.update(*(s.expand(len(pads), -1, -1, -1).contiguous() for s in kv), index)
+        self.rows = RowCache(cache, [self.offset + pad for pad in pads], [self.offset] * len(pads),
+                             None if static is None else static.keep)
         self.kwargs = cache_kwargs(model, cache)
         self.base = 0
 
-    def _forward(self, keep: int | torch.Tensor, **inputs) -> tuple[torch.Tensor, torch.Tensor]:
-        out = self.model(**inputs, use_cache=True, output_hidden_states=True, logits_to_keep=keep, **self.kwargs)
+    def _forward(self, call, keep: int | torch.Tensor, **inputs) -> tuple[torch.Tensor, torch.Tensor]:
+        out = call(**inputs, use_cache=True, output_hidden_states=True, logits_to_keep=keep, **self.kwargs)
         return out.logits, torch.cat([out.hidden_states[i] for i in self.layers], dim=-1)
 
     def prefill(self, ids: torch.LongTensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -146,8 +175,9 @@ class _BatchTarget:
             n, real = ids.shape[1], attention_mask.bool()
             causal = torch.ones(n, n, dtype=torch.bool, device=ids.device).tril()
             visible = (causal & real[:, None, :]) | torch.eye(n, dtype=torch.bool, device=ids.device)
-            mask = soft_prompt_mask(visible, self.offset, real.new_zeros(real.shape), self.model.dtype)
-        logits, features = self._forward(1, input_ids=ids, position_ids=positions, attention_mask=mask)
+            mask = pad_keys(soft_prompt_mask(visible, self.offset, real.new_zeros(real.shape), self.model.dtype),
+                            key_width(self.rows.cache, self.offset + n))
+        logits, features = self._forward(self.model, 1, input_ids=ids, position_ids=positions, attention_mask=mask)
         self.rows.end = [self.offset + ids.shape[1]] * ids.shape[0]
         return logits[:, -1], features
 
@@ -159,25 +189,24 @@ class _BatchTarget:
         tokens = torch.stack([t.tokens for t in trees])
         ancestry = torch.stack([t.ancestry for t in trees])
         positions = lengths[:, None] + torch.stack([t.depths for t in trees])
-        (rows, n), self.base = tokens.shape, self.rows.width
-        prefix = self.rows.visible(tokens.device)
+        (rows, n), self.base, dtype = tokens.shape, self.rows.filled, self.model.dtype
         if self.adapter is None:
-            visible = torch.cat([prefix[:, None].expand(rows, n, self.base), ancestry], dim=-1)
-            logits, features = self._forward(n, input_ids=tokens, position_ids=positions,
-                                             attention_mask=to_additive(visible, self.model.dtype)[:, None])
+            logits, features = self._forward(self.call, n, input_ids=tokens, position_ids=positions,
+                                             attention_mask=self.rows.mask(ancestry, dtype))
             return logits, features, None, None
         m = cons.shape[1]
         eye = torch.eye(m, dtype=torch.bool, device=tokens.device).expand(rows, m, m)
         node_rows = torch.cat([ancestry, ancestry.new_zeros(rows, n, m)], dim=-1)
         con_rows = torch.cat([ancestry.gather(1, cons[..., None].expand(rows, m, n)), eye], dim=-1)
-        visible = torch.cat([prefix[:, None].expand(rows, n + m, self.base), torch.cat([node_rows, con_rows], 1)], -1)
-        visible[:, n:, : self.offset] = True  # the soft prompt, seen by the [con] tokens only
-        con = self.adapter.con_embedding(states).to(self.model.dtype)[:, None].expand(rows, m, -1)
+        prefix = self.rows.visible(tokens.device)[:, None].repeat(1, n + m, 1)
+        prefix[:, n:, : self.offset] = True  # the soft prompt, seen by the [con] tokens only
+        con = self.adapter.con_embedding(states).to(dtype)[:, None].expand(rows, m, -1)
         embeds = torch.cat([self.model.get_input_embeddings()(tokens), con], dim=1)
         positions = torch.cat([positions, positions.gather(1, cons) + 1], dim=1)
         keep = torch.arange(n + m if self.con_logits else n, device=tokens.device)
-        logits, features = self._forward(keep, inputs_embeds=embeds, position_ids=positions,
-                                         attention_mask=to_additive(visible, self.model.dtype)[:, None])
+        logits, features = self._forward(self.call, keep, inputs_embeds=embeds, position_ids=positions,
+                                         attention_mask=self.rows.mask(torch.cat([node_rows, con_rows], 1), dtype,
+                                                                       prefix))
         return (logits[:, :n], features[:, :n], features[:, n:],
                 logits[:, n:] if self.con_logits else None)
 
@@ -188,25 +217,35 @@ class _BatchTarget:
 
 class RowDrafters:
     """One batch-1 drafter per row (`TreeDrafter`, or `SuffixDrafter` without a draft): any tree budget, ConFu's
-    `[f]` entries, suffix candidates (each row its own proposer and context); the draft runs row by row."""
+    `[f]` entries, suffix candidates (each row its own proposer and context); the draft runs row by row. A row
+    fed no accepted tokens (count 0: a finished row kept in a compiled batch) is not caught up. `scalars`: the
+    positions go to the drafters as 0-d device tensors (compiled calls: one graph for every position)."""
 
-    def __init__(self, drafters: list[TreeDrafter]) -> None:
-        self.drafters, self.d2t = drafters, drafters[0].d2t
+    def __init__(self, drafters: list[TreeDrafter], scalars: bool = False) -> None:
+        self.drafters, self.d2t, self.scalars = drafters, drafters[0].d2t, scalars
         self.draft = getattr(drafters[0], "draft", None)
+
+    def _at(self, value: int, device: torch.device) -> int | torch.Tensor:
+        return torch.tensor(value, device=device) if self.scalars else value
 
     def prefill(self, next_ids: torch.LongTensor, features: torch.Tensor, pads: list[int]) -> None:
         for row, drafter in enumerate(self.drafters):
             drafter.catch_up(next_ids[row : row + 1, pads[row]:], features[row : row + 1, pads[row]:],
-                             next_ids.shape[1] - pads[row])
+                             self._at(next_ids.shape[1] - pads[row], next_ids.device))
 
     def catch_up(self, next_ids: torch.LongTensor, features: torch.Tensor, lengths: list[int], counts: list[int],
                  futures: list) -> None:
+        device = next_ids.device
         for row, drafter in enumerate(self.drafters):
-            drafter.catch_up(next_ids[row : row + 1], features[row : row + 1], lengths[row], futures[row], counts[row])
+            if counts[row]:
+                future = futures[row] and (futures[row][0], self._at(futures[row][1], device))
+                drafter.catch_up(next_ids[row : row + 1], features[row : row + 1], self._at(lengths[row], device),
+                                 future, self._at(counts[row], device))
 
     def propose(self, roots: torch.Tensor, lengths: list[int], priors: list, contexts: list) -> list[DraftTree]:
         """Row b's tree under `roots[b]` (at position `lengths[b]`); `contexts[b]`: its tokens so far, root last."""
-        return [d.propose(roots[row], lengths[row], priors[row], contexts[row]) for row, d in enumerate(self.drafters)]
+        return [d.propose(roots[row], self._at(lengths[row], roots.device), priors[row], contexts[row])
+                for row, d in enumerate(self.drafters)]
 
     def select(self, rows: list[int]) -> None:
         self.drafters = [self.drafters[r] for r in rows]
@@ -215,7 +254,9 @@ class RowDrafters:
 class ChainDrafter:
     """Chains (top_k = 1) for the whole batch: one draft forward per level for all rows, on a `RowCache`."""
 
-    def __init__(self, draft: ConFuDraftModel, depth: int, total_tokens: int, temperature: float | None) -> None:
+    def __init__(self, draft: ConFuDraftModel, depth: int, total_tokens: int, temperature: float | None,
+                 cache: Cache | None = None) -> None:
+        """`cache`: the static mode's (empty) draft cache of B rows; default a `DynamicCache`."""
         if draft.config.has_future_entry:
             raise ValueError("ChainDrafter drafts without [f] entries: use RowDrafters for this draft.")
         self.draft, self.d2t, self.temperature = draft, draft.d2t, temperature
@@ -223,12 +264,9 @@ class ChainDrafter:
         nodes = torch.arange(max(self.levels, 1) + 1, device=draft.fc.weight.device)  # the same chain every round
         self.chain = ((nodes - 1).clamp_min(0), nodes, nodes[:, None] >= nodes,
                       torch.cat([nodes[1:], nodes.new_full((1,), -1)])[:, None])
+        self.cache = cache
         self.rows: RowCache | None = None
         self.hidden: torch.Tensor | None = None
-
-    def _mask(self, prefix: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
-        """(B, W) bool visible cached keys and (B, Q, K) bool visibility of the K entries since -> the additive mask."""
-        return to_additive(torch.cat([prefix[:, None].expand(-1, new.shape[1], -1), new], -1), self.hidden.dtype)[:, None]
 
     def prefill(self, next_ids: torch.LongTensor, features: torch.Tensor, pads: list[int]) -> None:
         rows, n = next_ids.shape
@@ -236,24 +274,24 @@ class ChainDrafter:
         keys = torch.arange(n, device=device)
         pad = torch.tensor(pads, device=device)[:, None]
         visible = (keys[:, None] >= keys) & (keys >= pad)[:, None, :] | torch.eye(n, dtype=torch.bool, device=device)
-        cache = DynamicCache()
+        cache = DynamicCache() if self.cache is None else self.cache
         out = self.draft(next_ids, features.to(dtype), (keys - pad).clamp_min(0),
-                         to_additive(visible, dtype)[:, None], cache)
+                         pad_keys(to_additive(visible, dtype)[:, None], key_width(cache, n)), cache)
         self.rows, self.hidden = RowCache(cache, list(pads), [n] * rows), out[:, -1:]
 
     def catch_up(self, next_ids: torch.LongTensor, features: torch.Tensor, lengths: list[int], counts: list[int],
                  futures: list) -> None:
         """Feed each row's accepted tokens (B, P), of which row b's first `counts[b]` are real, with the target's
-        features at positions `lengths[b] - counts[b]` on."""
+        features at positions `lengths[b] - counts[b]` on (count 0: a finished row kept in the batch, fed nothing)."""
         rows, size = next_ids.shape
-        device, base = next_ids.device, self.rows.width
+        device, base = next_ids.device, self.rows.filled
         count = torch.tensor(counts, device=device)
         new = torch.ones(size, size, dtype=torch.bool, device=device).tril().expand(rows, size, size)
         positions = (torch.tensor(lengths, device=device) - count)[:, None] + torch.arange(size, device=device)
-        out = self.draft(next_ids, features.to(self.hidden.dtype), positions, self._mask(self.rows.visible(device), new),
+        out = self.draft(next_ids, features.to(self.hidden.dtype), positions, self.rows.mask(new, self.hidden.dtype),
                          self.rows.cache)
         self.rows.keep(base, torch.arange(size, device=device).expand(rows, size), counts)
-        self.hidden = out.gather(1, (count - 1)[:, None, None].expand(rows, 1, out.shape[-1]))
+        self.hidden = out.gather(1, (count - 1).clamp_min(0)[:, None, None].expand(rows, 1, out.shape[-1]))
 
     def propose(self, roots: torch.Tensor, lengths: list[int], priors: list, contexts=None) -> list[DraftTree]:
         """Draft a chain under each row's root (at position `lengths[b]`); `priors[b]` as `draft_tree`'s prior
@@ -264,12 +302,12 @@ class ChainDrafter:
             logits = logits + torch.stack([torch.zeros_like(logits[0]) if p is None else p for p in priors])
         ids, logq, q = _pick(logits, 1, self.temperature)
         drafted, scores, proposals = [ids], [logq], [q]
-        hidden, base, at = self.hidden, self.rows.width, torch.tensor(lengths, device=device)
+        hidden, base, at = self.hidden, self.rows.filled, torch.tensor(lengths, device=device)
         prefix = self.rows.visible(device)
         for level in range(1, self.levels):
             new = torch.ones(rows, 1, level, dtype=torch.bool, device=device)  # the chain drafted so far
-            hidden = self.draft(self.d2t[ids], hidden, (at + level - 1)[:, None], self._mask(prefix, new),
-                                self.rows.cache)
+            hidden = self.draft(self.d2t[ids], hidden, (at + level - 1)[:, None],
+                                self.rows.mask(new, hidden.dtype, prefix), self.rows.cache)
             ids, logq, q = _pick(self.draft.logits(hidden[:, 0]), 1, self.temperature)
             drafted.append(ids)
             scores.append(logq)
@@ -309,13 +347,16 @@ def batched_generate(
     adapter: ContemplateAdapter | None = None,
     contemplate_nodes: int | None = None,
     future_logit_weight: float = 0.0,
+    static: StaticTarget | None = None,
 ) -> torch.LongTensor:
     """Generate up to `max_new_tokens` after each row of the left-padded `input_ids` (B, T); returns (B, T + new),
     rows that end early padded with `pad_token_id` (or the first EOS id) as plain batched `generate` pads them.
 
     Each round drafts every active row's tree, verifies them all in one target pass, accepts per row (one host
     sync), keeps each row's accepted path in the caches and retires the rows that stopped. ConFu (`adapter`): as
-    in `speculative_generate`, per row.
+    in `speculative_generate`, per row. `static` (static mode): the target's static cache and calls (the drafter
+    holds its own); compiled (`static.keep` set), every pass keeps its shapes: finished rows stay in the batch,
+    fed and keeping nothing, and the accepted paths are copied at the tree's full size.
     """
     start = time.perf_counter()
     batch, prompt_len = input_ids.shape
@@ -324,7 +365,9 @@ def batched_generate(
     mix = adapter is not None and future_logit_weight > 0
     entry = adapter is not None and drafter.draft.config.has_future_entry
     pads = (attention_mask == 0).sum(1).tolist()
-    verify = _BatchTarget(target, feature_layers, adapter, pads, max_new_tokens + 64, con_logits=mix)
+    verify = _BatchTarget(target, feature_layers, adapter, pads, max_new_tokens + 64, mix, static)
+    compiled = static is not None and static.keep is not None
+    parked: set[int] = set()  # compiled: the finished rows kept in the batch (indices into `rows`)
 
     t0 = time.perf_counter()
     logits, features = verify.prefill(input_ids, attention_mask)
@@ -346,7 +389,9 @@ def batched_generate(
                         prompt_len + max_new_tokens)
         if not keep:
             break
-        if len(keep) < len(rows):
+        if compiled:
+            parked = set(range(len(rows))) - set(keep)
+        elif len(keep) < len(rows):
             index = torch.tensor(keep, device=input_ids.device)
             rows, lengths = [rows[i] for i in keep], [lengths[i] for i in keep]
             futures, priors = [futures[i] for i in keep], [priors[i] for i in keep]
@@ -355,6 +400,8 @@ def batched_generate(
                 next_ids, feats, counts = next_ids[index], feats[index], [counts[i] for i in keep]
             drafter.select(keep)
             verify.rows.select(keep)
+        if compiled:
+            torch.compiler.cudagraph_mark_step_begin()
         t0 = time.perf_counter()
         if next_ids is not None:
             drafter.catch_up(next_ids, feats, lengths, counts, futures)
@@ -372,7 +419,8 @@ def batched_generate(
             results = [accept_greedy(tree, logits[i]) for i, tree in enumerate(trees)]
         else:
             results = [accept_sampling(tree, _probs(logits[i], warpers), drafter.d2t) for i, tree in enumerate(trees)]
-        width = max(path.numel() for path, _, _ in results)  # rows' trees may differ in depth (padded with 0)
+        # rows' trees may differ in depth (paths padded with 0); compiled: one width, the tree's
+        width = len(trees[0]) if compiled else max(path.numel() for path, _, _ in results)
         paths = torch.stack([torch.nn.functional.pad(path, (0, width - path.numel())) for path, _, _ in results])
         sizes, roots = torch.stack([size for _, size, _ in results]), torch.stack([root for _, _, root in results])
         lasts = paths.gather(1, (sizes - 1)[:, None])
@@ -383,10 +431,14 @@ def batched_generate(
         fresh = torch.zeros_like(sizes) if hits is None else hits.any(1).long()
         origins = [] if trees[0].sources is None else [torch.stack([t.sources for t in trees]).gather(1, paths)]
         read = torch.cat([sizes[:, None], fresh[:, None], next_ids, *origins], 1).tolist()  # the round's one host sync
-        counts = [r[0] for r in read]
+        counts = [0 if i in parked else r[0] for i, r in enumerate(read)]
         verify.keep(paths, counts)
+        if compiled and not static.warm:
+            stats.compile_seconds, static.warm = time.perf_counter() - t0, True
         priors = [None] * len(rows)
         for i, r in enumerate(read):
+            if i in parked:
+                continue
             if r[1]:
                 slot = hits[i].int().argmax()
                 if entry:
@@ -397,11 +449,11 @@ def batched_generate(
             stats.row_accept_lengths[rows[i]].append(counts[i])
             below_root = r[2 + next_ids.shape[1] :][1 : counts[i]]  # where the accepted nodes below the root came from
             stats.row_accepted_by_source[rows[i]].update(SOURCE_NAMES[origin] for origin in below_root if origin)
-        accepted = [r[2 : 2 + r[0]] for r in read]
+        accepted = [r[2 : 2 + count] for r, count in zip(read, counts)]
         stats.draft_seconds += t1 - t0
         stats.verify_seconds += t2 - t1
         stats.target_forwards += 1
-        stats.accept_lengths.extend(counts)
+        stats.accept_lengths.extend(count for count in counts if count)
         feats = features.gather(1, paths[..., None].expand(-1, -1, features.shape[-1]))
         states = features[torch.arange(len(rows), device=features.device), lasts[:, 0]]
         lengths = [length + count for length, count in zip(lengths, counts)]
@@ -447,19 +499,19 @@ def _padded(outputs: list[torch.Tensor], ends: dict[int, int], config: Generatio
 def generate_batch(assistant, target: PreTrainedModel, input_ids: torch.LongTensor,
                    attention_mask: torch.Tensor | None, config: GenerationConfig, budget: TreeBudget | None,
                    max_new_tokens: int, tokenizer=None, streamer=None, contemplate_nodes: int | None = None,
-                   future_logit_weight: float = 0.0, suffix: SuffixProposer | None = None) -> torch.LongTensor:
+                   future_logit_weight: float = 0.0, suffix: SuffixProposer | None = None,
+                   static: dict | None = None) -> torch.LongTensor:
     """`ConFuAssistant.generate` and `SuffixAssistant.generate` for a batch (or a left-padded prompt): checks the
     inputs, picks the budget (`budget` None: `batch_budget`'s choice for `assistant.budget`), then runs
     `batched_generate`, or plain `generate` where the policy says speculation does not pay. `suffix`: the proposer
     whose candidates join every row's tree (each row gets its own `fork`); a draft-free assistant (`SuffixAssistant`,
-    no `draft`) verifies them alone. Sets `assistant.stats` (a `BatchStats`)."""
+    no `draft`) verifies them alone. `static`: the static mode's parts for this batch (`assistant.static_parts`:
+    the target's cache and calls, the chain's draft cache, one draft cache per row). Sets `assistant.stats` (a
+    `BatchStats`)."""
     batch = input_ids.shape[0]
     if streamer is not None:
         raise ValueError("A streamer supports batch size 1 only (as in transformers): generate one prompt at a time "
                          "to stream it.")
-    if config.cache_implementation == "static":
-        raise ValueError(f"cache_implementation='static' with an assistant supports batch size 1 only (got "
-                         f"{batch} rows): leave cache_implementation unset for batches (the eager loop).")
     if not full_attention(target.config):
         raise ValueError("Batched speculative decoding supports full-attention targets only; this one has layer "
                          f"types {getattr(target.config, 'layer_types', None)}: generate one prompt at a time.")
@@ -476,18 +528,25 @@ def generate_batch(assistant, target: PreTrainedModel, input_ids: torch.LongTens
         return output
     temperature = (config.temperature or 1.0) if config.do_sample else None
     proposers = [None] * batch if suffix is None else [suffix.fork() for _ in range(batch)]
+    static = static or {}
+    target_parts, calls = static.get("target"), static.get("draft_calls")
+    scalars = calls is not None  # compiled drafting calls take positions as device scalars
     if draft is None:
         from .suffix_assistant import SuffixDrafter  # which imports this module (through assistant.py)
 
         drafter = RowDrafters([SuffixDrafter(proposer, budget.total_tokens, pad=True) for proposer in proposers])
     elif suffix is None and budget.top_k == 1 and not draft.config.has_future_entry:
-        drafter = ChainDrafter(draft, budget.depth, budget.total_tokens, temperature)
+        drafter = ChainDrafter(draft, budget.depth, budget.total_tokens, temperature, static.get("draft_cache"))
     else:  # every row's tree at its full size (`pad`), so that they stack
+        caches = static.get("row_draft_caches")
         drafter = RowDrafters([TreeDrafter(draft, budget.depth, budget.top_k, budget.total_tokens, temperature,
-                                           suffix=proposer, pad=True) for proposer in proposers])
+                                           None if target_parts is None else caches[row], calls, proposer, pad=True)
+                               for row, proposer in enumerate(proposers)], scalars)
     layers = [target.config.num_hidden_layers] if draft is None else draft.config.feature_layers  # no draft: unused
+    stats.mode = "eager" if target_parts is None else "static"
     output = batched_generate(target, drafter, layers, input_ids, mask, config, max_new_tokens, stats, tokenizer,
-                              None if draft is None else assistant.adapter, contemplate_nodes, future_logit_weight)
+                              None if draft is None else assistant.adapter, contemplate_nodes, future_logit_weight,
+                              target_parts)
     stats.suffix_seconds = sum(proposer.seconds for proposer in proposers if proposer is not None)
     return output
 

@@ -104,15 +104,16 @@ class SuffixAssistant:
         tokenizer, streamer = kwargs.pop("tokenizer", None), kwargs.pop("streamer", None)
         config = _generation_config(target, kwargs)
         max_new = _max_new_tokens(config, input_ids.shape[1], budget, target)
-        if batched:  # B > 1 or left padding
-            return generate_batch(self, target, input_ids, mask, config, budget if tree_set else None, max_new,
-                                  tokenizer, streamer, suffix=self.proposer)
-        self.stats = SpeculativeStats()
         static = None
         if uses_static_cache(config, "suffix"):
             self._static = static_parts(target, config, input_ids.shape[1] + max_new + 2 * total + 2, self._static,
-                                        draft=False)
-            static, self.stats.mode = self._static["target"], "static"
+                                        False, input_ids.shape[0] if batched else None)
+            static = self._static["target"]
+        if batched:  # B > 1 or left padding
+            return generate_batch(self, target, input_ids, mask, config, budget if tree_set else None, max_new,
+                                  tokenizer, streamer, suffix=self.proposer,
+                                  static=None if static is None else self._static)
+        self.stats = SpeculativeStats(mode="eager" if static is None else "static")
         layers = [target.config.num_hidden_layers]  # the loop reads features; nothing uses them here
         output = speculative_generate(target, SuffixDrafter(self.proposer, total, static is not None), layers,
                                       input_ids, config, max_new, self.stats, tokenizer, streamer, static=static)

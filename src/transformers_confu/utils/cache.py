@@ -73,6 +73,15 @@ def truncate_cache(cache: Cache, length: int | torch.Tensor) -> None:
             layer.values = layer.values[..., :length, :]
 
 
+def reset_cache(cache: Cache) -> None:
+    """Empty a kept static cache for its next generation, each layer back to its whole preallocated buffer (a
+    batch's finished rows leave views of its first rows: `batched.RowCache.select`)."""
+    for layer in cache.layers:
+        if layer.is_initialized:
+            layer.keys, layer.values = (s if s._base is None else s._base for s in (layer.keys, layer.values))
+    truncate_cache(cache, 0)
+
+
 def keep_path(cache: Cache, start: int | torch.Tensor, path: torch.Tensor, length: int | torch.Tensor) -> None:
     """Keep positions `[0, start)` followed by `start + path[:length]`, drop the rest.
 
