@@ -60,7 +60,17 @@ def test_batched_bench_runs_suffix_and_hybrid_methods(tmp_path):
     assert "| suffix-corpus:n4 |" in out.with_suffix(".md").read_text().split("## Accepted tokens by source")[1]
 
 
-@pytest.mark.parametrize("flags", [["--loops", "eager,static"], ["--auto-tree"]])
+def test_batched_bench_runs_the_static_loop_beside_the_eager_one(tmp_path):
+    save_target_and_draft(tmp_path, eos_token_id=7)
+    summary = main(["--target", str(tmp_path / "target"), "--drafts", str(tmp_path / "draft"), "--questions",
+                    str(write_questions(tmp_path / "q.jsonl", n=3)), "--max-new-tokens", "10", "--trees", "3,2,5",
+                    "--batch-size", "2", "--loops", "eager,static", "--out", str(tmp_path / "bench")])
+    assert list(summary["table"]) == ["generate", "eagle3:draft:auto", "eagle3-static:draft:auto",
+                                      "eagle3:draft:d3k2n5", "eagle3-static:draft:d3k2n5"]
+    assert summary["mismatches"] == {} and summary["meta"]["loops"] == "eager,static"
+
+
+@pytest.mark.parametrize("flags", [["--assistant-model", "x"], ["--auto-tree"]])
 def test_batched_bench_refuses_batch_1_methods_before_loading_anything(flags, capsys):
     with pytest.raises(SystemExit):
         main(["--target", "no/such-target", "--batch-size", "4", *flags])

@@ -37,14 +37,15 @@ class BatchMethod:
 
 def batch_methods(model, drafts: list[str], trees: list[tuple[int, int, int]], sampling: dict,
                   static: dict | None = None, suffix: tuple[str, ...] = (), suffix_corpus: str | None = None,
-                  suffix_tokens: tuple[int, ...] = (), hybrid_trees: list[tuple[int, int, int, int]] = ()
-                  ) -> list[BatchMethod]:
+                  suffix_tokens: tuple[int, ...] = (), hybrid_trees: list[tuple[int, int, int, int]] = (),
+                  loops: tuple[str, ...] = ("eager",), static_loop: dict | None = None) -> list[BatchMethod]:
     """Plain batched `generate` (the reference) and, with `static` (its `generate` options: a static cache, compiled
     on CUDA), `generate-static`; then per draft its `auto` budget for the batch (the draft's own budget under
-    `batched.batch_budget`) and each of `trees` as it is (the batched loop is eager). `suffix` as in
-    `bench.build_methods`: "suffix" / "suffix-corpus" `SuffixAssistant`s at the `auto` width and each of
-    `suffix_tokens`, "hybrid" every draft at each of `hybrid_trees` (depth, top_k, total_tokens, suffix nodes) with
-    `suffix_corpus`."""
+    `batched.batch_budget`) and each of `trees` as it is. `suffix` as in `bench.build_methods`: "suffix" /
+    "suffix-corpus" `SuffixAssistant`s at the `auto` width and each of `suffix_tokens`, "hybrid" every draft at each
+    of `hybrid_trees` (depth, top_k, total_tokens, suffix nodes) with `suffix_corpus`. Each speculative method runs
+    in each of `loops`: "eager", "static" (with the `generate` options `static_loop`; named `<method>-static`)."""
+    tags = [("", {}) if loop == "eager" else ("-static", static_loop) for loop in loops]
 
     def plain(options):
         return lambda ids, mask, n: (model.generate(ids, attention_mask=mask, max_new_tokens=n, **options, **sampling),
@@ -57,8 +58,9 @@ def batch_methods(model, drafts: list[str], trees: list[tuple[int, int, int]], s
         for width in [None, *suffix_tokens]:
             assistant = SuffixAssistant(model, corpus=suffix_corpus if name == "suffix-corpus" else None,
                                         total_tokens=width)
-            methods.append(BatchMethod(f"{name}:{'auto' if width is None else f'n{width}'}",
-                                       _speculative(model, assistant, sampling), assistant))
+            methods += [BatchMethod(f"{name}{tag}:{'auto' if width is None else f'n{width}'}",
+                                    _speculative(model, assistant, {**sampling, **options}), assistant)
+                        for tag, options in tags]
     hybrids = list(hybrid_trees) if "hybrid" in suffix else []
     for path in drafts:
         for budget in [None, *trees, *hybrids]:
@@ -66,8 +68,9 @@ def batch_methods(model, drafts: list[str], trees: list[tuple[int, int, int]], s
                          else draft_assistant(model, path, budget, suffix_corpus))
             kind = ("eagle3" if assistant.adapter is None else "confu") + ("-hybrid" if budget and len(budget) > 3 else "")
             label = "auto" if budget is None else budget_name(budget)
-            methods.append(BatchMethod(f"{kind}:{Path(path).name}:{label}", _speculative(model, assistant, sampling),
-                                       assistant))
+            methods += [BatchMethod(f"{kind}{tag}:{Path(path).name}:{label}",
+                                    _speculative(model, assistant, {**sampling, **options}), assistant)
+                        for tag, options in tags]
     return methods
 
 

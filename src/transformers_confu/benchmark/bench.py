@@ -380,15 +380,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--batch-size", type=int, default=1,
                    help="B > 1: first turns B at a time (left-padded batches), plain batched generate as the reference "
-                        "and each draft with its auto batch budget and each --trees budget; tokens/s over the batch, "
-                        "tau per row (prompt lookup and --contemplate-nodes are batch-1 methods: left out)")
+                        "and each draft with its auto batch budget and each --trees budget, in each of --loops; tokens/s "
+                        "over the batch, tau per row (prompt lookup and --contemplate-nodes are batch-1 methods: left "
+                        "out)")
     p.add_argument("--kernels", choices=["onednn", "mkl"], default="onednn",
                    help="CPU linear layers: onednn (packed weights, what load_target gives) or mkl (plain F.linear)")
     p.add_argument("--out", default="results/bench", help="output path prefix (.md, .json, .png, answers/)")
     args = p.parse_args(argv)
     if args.batch_size > 1:
-        unsupported = [flag for flag, used in (("--loops static", "static" in args.loops),
-                                               ("--assistant-model", args.assistant_model),
+        unsupported = [flag for flag, used in (("--assistant-model", args.assistant_model),
                                                ("--auto-tree", args.auto_tree)) if used]
         if unsupported:
             p.error(f"--batch-size {args.batch_size} runs plain batched generate, the drafts' batched trees and the "
@@ -446,7 +446,8 @@ def _main(args: argparse.Namespace, argv) -> dict:
     if args.batch_size > 1:
         methods = batch_methods(model, args.drafts, trees, sampling,
                                 static_options(args.compile) if args.static_baseline else None, suffix,
-                                args.suffix_corpus, tuple(int(x) for x in args.suffix_tokens.split(",")), hybrid_trees)
+                                args.suffix_corpus, tuple(int(x) for x in args.suffix_tokens.split(",")), hybrid_trees,
+                                loops, static_options(args.compile))
         records, mismatches, warmup = run_batches(model, tokenizer, methods, questions, args.max_new_tokens,
                                                   args.seed, greedy, args.batch_size, divergence)
     else:
