@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from transformers_confu import ConFuAssistant, ConFuDraftConfig, SuffixAssistant, load_target
+from transformers_confu.benchmark.batch_bench import left_padded
 from transformers_confu.benchmark.questions import chat_input_ids
 from transformers_confu.decoding.suffix import SHIPPED_CORPUS
 from transformers_confu.models.target import CHECKPOINTS, DEFAULT_DRAFT
@@ -93,3 +94,16 @@ def test_default_draft_drafts_hybrid_trees_with_its_saved_budget(target):
     sources = assistant.stats.accepted_by_source
     assert sources.get("suffix", 0) + sources.get("both", 0) > 0, sources
     assert ConFuAssistant.from_pretrained(DEFAULT_DRAFT, target_model=model, suffix=False).suffix is None
+
+
+def test_default_draft_follows_the_batch_policy_unless_a_budget_is_given(target):
+    """The hybrid budget saved with the corpus is the draft's saved budget: batches follow `batch_budget` (on a
+    CPU, plain batched `generate` at batch 4); a budget the caller gives runs as given."""
+    model, tokenizer = target
+    prompts = [chat_input_ids(tokenizer, [q])[0] for q in ("Hi!", "Name a colour.", "What is 2 + 2?", "Say yes.")]
+    ids, mask = left_padded(prompts, tokenizer.pad_token_id)
+    ref = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
+    for options, mode in (({}, "plain"), ({"total_tokens": 6}, "eager")):
+        assistant = ConFuAssistant.from_pretrained(DEFAULT_DRAFT, target_model=model, **options)
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, assistant_model=assistant)
+        assert torch.equal(out, ref) and assistant.stats.mode == mode, (options, assistant.stats.mode)

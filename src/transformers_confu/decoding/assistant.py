@@ -145,6 +145,7 @@ class ConFuAssistant:
         weights `midlayer.*`, `fc`, `norm`, `lm_head`, `d2t`, `t2d`) load too (see `eagle3_format`)."""
         options = {k: kwargs.pop(k) for k in ("depth", "top_k", "total_tokens", "contemplate_nodes") if k in kwargs}
         source, tokenizer, nodes = kwargs.pop("suffix", True), kwargs.pop("tokenizer", None), kwargs.pop("suffix_nodes", None)
+        chosen = any(k in options for k in ("depth", "top_k", "total_tokens"))  # by the caller, not saved
         beside = Path(path_or_id) / SUFFIX_FOLDER
         if source is True:
             source = beside if beside.is_dir() else None
@@ -157,10 +158,13 @@ class ConFuAssistant:
             suffix.max_nodes = nodes
         hub = {k: kwargs[k] for k in ("revision", "cache_dir", "token") if k in kwargs}
         if is_eagle3_config(read_config(path_or_id, **hub) or {}):
-            return cls(load_eagle3(path_or_id, target_model, **hub), target_model, suffix=suffix, **options)
-        draft = load_draft(path_or_id, **kwargs)
-        adapter = load_adapter(path_or_id, **kwargs) if draft.config.contemplate else None
-        return cls(draft, target_model, adapter, suffix=suffix, **options)
+            assistant = cls(load_eagle3(path_or_id, target_model, **hub), target_model, suffix=suffix, **options)
+        else:
+            draft = load_draft(path_or_id, **kwargs)
+            adapter = load_adapter(path_or_id, **kwargs) if draft.config.contemplate else None
+            assistant = cls(draft, target_model, adapter, suffix=suffix, **options)
+        assistant._budget_set = chosen  # the corpus's saved hybrid budget is a saved one: batches follow the policy
+        return assistant
 
     @classmethod
     def from_config(cls, config: ConFuDraftConfig, target_model: PreTrainedModel, **options: Any) -> "ConFuAssistant":
