@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from conftest import tiny_target, tiny_tokenizer
 from test_bench import write_questions
 
@@ -12,7 +13,8 @@ from transformers_confu.benchmark.bench import main
 from transformers_confu.decoding.suffix_index import CorpusIndex, tokenizer_fingerprint
 
 
-def test_bench_runs_suffix_and_hybrid_methods_and_reports_sources(tmp_path):
+def save_setup(tmp_path) -> None:
+    """A tiny target (with its tokenizer), a random draft for it and a small corpus, saved under `tmp_path`."""
     target, tokenizer = tiny_target(), tiny_tokenizer()
     target.save_pretrained(tmp_path / "target")
     tokenizer.save_pretrained(tmp_path / "target")
@@ -20,6 +22,10 @@ def test_bench_runs_suffix_and_hybrid_methods_and_reports_sources(tmp_path):
         tmp_path / "draft")
     corpus = CorpusIndex.build([[3, 4, 5, 6, 7, 8], [9, 10, 11]], dict(tokenizer_fingerprint=tokenizer_fingerprint(tokenizer)))
     corpus.save_pretrained(tmp_path / "corpus")
+
+
+def test_bench_runs_suffix_and_hybrid_methods_and_reports_sources(tmp_path):
+    save_setup(tmp_path)
     out = tmp_path / "res" / "bench"
     summary = main(["--target", str(tmp_path / "target"), "--drafts", str(tmp_path / "draft"), "--questions",
                     str(write_questions(tmp_path / "q.jsonl")), "--max-new-tokens", "12", "--trees", "2,1,3",
@@ -38,3 +44,21 @@ def test_bench_runs_suffix_and_hybrid_methods_and_reports_sources(tmp_path):
     assert "## Accepted tokens by source" in text and "| suffix:n4 |" in text
     row = json.loads((tmp_path / "res" / "bench_answers" / "suffix_n4.jsonl").read_text().splitlines()[0])
     assert "accepted_by_source" in row["choices"][0]
+
+
+def test_bench_width_switch_adds_auto_width_rows_for_suffix_and_hybrid_methods(tmp_path):
+    save_setup(tmp_path)
+    summary = main(["--target", str(tmp_path / "target"), "--drafts", str(tmp_path / "draft"), "--questions",
+                    str(write_questions(tmp_path / "q.jsonl", n=2)), "--max-new-tokens", "8", "--trees", "2,1,3",
+                    "--prompt-lookup", "0", "--suffix", "suffix,hybrid", "--suffix-corpus", str(tmp_path / "corpus"),
+                    "--suffix-tokens", "4", "--hybrid-trees", "2,1,6,3", "--width", "fixed,auto", "--loops", "eager,static",
+                    "--out", str(tmp_path / "bench")])
+    assert list(summary["table"]) == [
+        "generate", "suffix:n4", "suffix-static:n4", "suffix:n4:auto-width", "eagle3:draft:d2k1n3",
+        "eagle3-static:draft:d2k1n3", "eagle3-hybrid:draft:d2k1n6s3", "eagle3-hybrid-static:draft:d2k1n6s3",
+        "eagle3-hybrid:draft:d2k1n6s3:auto-width"]  # auto: suffix and hybrid methods, eager loop only
+    assert summary["mismatches"] == {}
+    assert 1 <= summary["table"]["suffix:n4:auto-width"]["overall"]["nodes_per_round"] <= 4
+    assert "nodes/round" in (tmp_path / "bench.md").read_text()
+    with pytest.raises(SystemExit, match="--width"):
+        main(["--target", str(tmp_path / "target"), "--questions", str(tmp_path / "q.jsonl"), "--width", "wide"])

@@ -49,6 +49,7 @@ class Method:
 
 
 AUTO_CANDIDATES = "2,1,3;3,1,4;3,2,5;4,1,5;4,2,6;5,2,8;6,2,10;6,4,16;8,4,30"
+WIDTH_TAGS = {"fixed": "", "auto": ":auto-width"}  # method name suffix per --width
 
 
 def auto_tree(model, tokenizer, path: str, questions: list[dict], candidates: list[tuple[int, ...]],
@@ -78,7 +79,8 @@ def build_methods(model, drafts: list[str], trees: list[tuple[int, int, int]], s
                   prompt_lookup: int | None, contemplate_nodes: list[int | str | None] = (None,),
                   assistant_model=None, static_baseline: bool = False, loops: tuple[str, ...] = ("eager",),
                   static: dict | None = None, suffix: tuple[str, ...] = (), suffix_corpus: str | None = None,
-                  suffix_tokens: tuple[int, ...] = (DEFAULT_TOTAL_TOKENS,), hybrid_trees: list[tuple[int, ...]] = ()) -> list[Method]:
+                  suffix_tokens: tuple[int, ...] = (DEFAULT_TOTAL_TOKENS,), hybrid_trees: list[tuple[int, ...]] = (),
+                  widths: tuple[str, ...] = ("fixed",)) -> list[Method]:
     """Plain generate (the reference), with `static_baseline` plain generate with a static cache (which transformers
     compiles on CUDA), prompt lookup, transformers' assisted decoding (with `assistant_model`),
     then every draft x tree budget x loop; a ConFu draft once per `contemplate_nodes` entry ("saved": as the draft is
@@ -89,7 +91,8 @@ def build_methods(model, drafts: list[str], trees: list[tuple[int, int, int]], s
     Drafts run alone (`suffix=False`). `suffix` adds draft-free `SuffixAssistant`s, one per `suffix_tokens` width:
     "suffix" (the sequence itself), "suffix-corpus" (and `suffix_corpus`); "hybrid" runs every draft with the
     suffix candidates of both sources in its trees, per `hybrid_trees` budget (depth, top_k, total_tokens, suffix
-    nodes), named `<mode>-hybrid:<draft>:d..k..n..s..`."""
+    nodes), named `<mode>-hybrid:<draft>:d..k..n..s..`. `widths`: the suffix and hybrid methods once per entry,
+    "fixed" and/or "auto" (a per-round width, `width.py`; eager loop only; named `<method>:auto-width`)."""
     static = static or static_options("auto")
     ones = torch.ones_like
 
@@ -106,30 +109,33 @@ def build_methods(model, drafts: list[str], trees: list[tuple[int, int, int]], s
     if assistant_model is not None:
         methods.append(Method("assisted", lambda ids, n: (model.generate(
             ids, attention_mask=ones(ids), max_new_tokens=n, assistant_model=assistant_model, **sampling), None)))
+    runs = {width: [loop for loop in loops if width == "fixed" or loop == "eager"] for width in widths}
     for name in (x for x in suffix if x in ("suffix", "suffix-corpus")):
-        for width in suffix_tokens:
-            assistant = SuffixAssistant(model, corpus=suffix_corpus if name == "suffix-corpus" else None,
-                                        total_tokens=width)
-            for loop in loops:
-                tag, options = ("", {}) if loop == "eager" else ("-static", static)
-                methods.append(Method(f"{name}{tag}:n{width}",
-                                      _speculative(model, assistant, {**sampling, **options}), assistant))
+        for total in suffix_tokens:
+            for width, width_loops in runs.items():
+                assistant = SuffixAssistant(model, corpus=suffix_corpus if name == "suffix-corpus" else None,
+                                            total_tokens=total, width=width)
+                for loop in width_loops:
+                    tag, options = ("", {}) if loop == "eager" else ("-static", static)
+                    methods.append(Method(f"{name}{tag}:n{total}{WIDTH_TAGS[width]}",
+                                          _speculative(model, assistant, {**sampling, **options}), assistant))
     budgets = list(trees) + (list(hybrid_trees) if "hybrid" in suffix else [])
     for path in drafts:
         for budget in budgets:
-            assistant = draft_assistant(model, path, budget, suffix_corpus)
-            tree = f"{Path(path).name}:{budget_name(budget)}"
             kind = "-hybrid" if len(budget) > 3 else ""
-            for loop in loops:
-                tag, options = ("", {}) if loop == "eager" else ("-static", static)
-                if not assistant.draft.config.contemplate:
-                    methods.append(Method(f"eagle3{kind}{tag}:{tree}",
-                                          _speculative(model, assistant, {**sampling, **options}), assistant))
-                    continue
-                for nodes in contemplate_nodes:
-                    mode = {"saved": "confu-saved", None: "confu", 0: "confu-off"}.get(nodes, f"confu-c{nodes}")
-                    methods.append(Method(f"{mode}{kind}{tag}:{tree}",
-                                          _speculative(model, assistant, {**sampling, **options}, nodes), assistant))
+            for width, width_loops in (runs.items() if kind else [("fixed", loops)]):
+                assistant = draft_assistant(model, path, budget, suffix_corpus, width)
+                tree = f"{Path(path).name}:{budget_name(budget)}{WIDTH_TAGS[width]}"
+                for loop in width_loops:
+                    tag, options = ("", {}) if loop == "eager" else ("-static", static)
+                    if not assistant.draft.config.contemplate:
+                        methods.append(Method(f"eagle3{kind}{tag}:{tree}",
+                                              _speculative(model, assistant, {**sampling, **options}), assistant))
+                        continue
+                    for nodes in contemplate_nodes:
+                        mode = {"saved": "confu-saved", None: "confu", 0: "confu-off"}.get(nodes, f"confu-c{nodes}")
+                        methods.append(Method(f"{mode}{kind}{tag}:{tree}", _speculative(
+                            model, assistant, {**sampling, **options}, nodes), assistant))
     return methods
 
 
@@ -163,7 +169,7 @@ def answer(method: Method, tokenizer, question: dict, max_new_tokens: int, seed:
            device: torch.device | str = "cpu") -> dict:
     """Answer every turn of a question (later turns see the method's own earlier answers)."""
     texts, ids_out, new_tokens, times, accepts = [], [], [], [], []
-    sources, suffix_seconds = defaultdict(int), 0.0
+    sources, suffix_seconds, tree_sizes = defaultdict(int), 0.0, []
     for turn in range(len(question["turns"])):
         ids = chat_input_ids(tokenizer, question["turns"][: turn + 1], texts).to(device)
         torch.manual_seed(seed + turn)
@@ -174,6 +180,7 @@ def answer(method: Method, tokenizer, question: dict, max_new_tokens: int, seed:
             for name, count in method.assistant.stats.accepted_by_source.items():
                 sources[name] += count
             suffix_seconds += method.assistant.stats.suffix_seconds
+            tree_sizes += method.assistant.stats.tree_sizes
         new = out[0, ids.shape[1]:].cpu()
         ids_out.append((ids.cpu(), new))
         texts.append(tokenizer.decode(new, skip_special_tokens=True))
@@ -185,7 +192,7 @@ def answer(method: Method, tokenizer, question: dict, max_new_tokens: int, seed:
                 choices=[dict(index=0, turns=texts, new_tokens=new_tokens, wall_time=times,
                               accept_lengths=[a for turn in accepts for a in turn],
                               decoding_steps=[len(a) + 1 for a in accepts], accepted_by_source=dict(sources),
-                              suffix_seconds=suffix_seconds)],
+                              suffix_seconds=suffix_seconds, tree_sizes=tree_sizes)],
                 tstamp=time.time(), _ids=ids_out)
 
 
@@ -226,8 +233,10 @@ def summarize(records: dict[str, list[dict]], greedy: bool, mismatches: dict[str
                 for source, count in c.get("accepted_by_source", {}).items():
                     sources[source] += count
             if any(c.get("suffix_seconds", 0) > 0 for c in choices):  # suffix lookups ran: accepted tokens by origin
+                sizes = [n for c in choices for n in c.get("tree_sizes", [])]
                 table[name][category].update(accepted_by_source=dict(sources), suffix_ms_per_round=1e3 * sum(
-                    c["suffix_seconds"] for c in choices) / max(len(accepts), 1))
+                    c["suffix_seconds"] for c in choices) / max(len(accepts), 1),
+                    nodes_per_round=sum(sizes) / max(len(sizes), 1))
     for name in table:
         for category, cell in table[name].items():
             cell["speedup"] = cell["tokens_per_s"] / table["generate"][category]["tokens_per_s"]
@@ -259,14 +268,16 @@ def markdown(table: dict, meta: dict) -> str:
     if with_sources:
         lines += ["", "## Accepted tokens by source", "",
                   "Drafted tokens accepted (bonus tokens aside) by who proposed them: the draft, the suffix index, or both "
-                  "(the same node); suffix lookup cost per round.", "",
-                  "| method | draft | suffix | both | suffix share | suffix ms/round |", "|---|---|---|---|---|---|"]
+                  "(the same node); suffix lookup cost per round; nodes verified per round (root included).", "",
+                  "| method | draft | suffix | both | suffix share | suffix ms/round | nodes/round |",
+                  "|---|---|---|---|---|---|---|"]
         for name in with_sources:
             c = table[name]["overall"]
             by = {k: c["accepted_by_source"].get(k, 0) for k in ("draft", "suffix", "both")}
             total = max(sum(by.values()), 1)
             lines.append(f"| {name} | {by['draft']} | {by['suffix']} | {by['both']} | "
-                         f"{(by['suffix'] + by['both']) / total:.0%} | {c['suffix_ms_per_round']:.2f} |")
+                         f"{(by['suffix'] + by['both']) / total:.0%} | {c['suffix_ms_per_round']:.2f} | "
+                         f"{c['nodes_per_round']:.2f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -377,6 +388,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="SuffixAssistant: nodes verified per round (root included), comma-separated widths")
     p.add_argument("--hybrid-trees", default="2,1,8,6",
                    help="hybrid budgets 'depth,top_k,total_tokens,suffix_nodes;...' (total_tokens: draft + suffix)")
+    p.add_argument("--width", default="fixed", help="suffix and hybrid methods, comma-separated: fixed (each round "
+                   "verifies the whole budget), auto (a per-round width from the candidates' estimates and this machine's "
+                   "verify costs; eager batch-1 loop only; named <method>:auto-width)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--batch-size", type=int, default=1,
                    help="B > 1: first turns B at a time (left-padded batches), plain batched generate as the reference "
@@ -441,6 +455,9 @@ def _main(args: argparse.Namespace, argv) -> dict:
 
         assistant_model = AutoModelForCausalLM.from_pretrained(args.assistant_model, dtype=model.dtype).to(model.device)
     loops = tuple(x.strip() for x in args.loops.split(","))
+    widths = tuple(x.strip() for x in args.width.split(","))
+    if not set(widths) <= set(WIDTH_TAGS):
+        raise SystemExit(f"--width {args.width!r}: choose among fixed, auto.")
     if not set(loops) <= {"eager", "static"}:
         raise SystemExit(f"--loops {args.loops!r}: choose among eager, static.")
     if args.batch_size > 1:
@@ -453,7 +470,7 @@ def _main(args: argparse.Namespace, argv) -> dict:
     else:
         methods = build_methods(model, args.drafts, trees, sampling, args.prompt_lookup, nodes, assistant_model,
                                 args.static_baseline, loops, static_options(args.compile), suffix, args.suffix_corpus,
-                                tuple(int(x) for x in args.suffix_tokens.split(",")), hybrid_trees)
+                                tuple(int(x) for x in args.suffix_tokens.split(",")), hybrid_trees, widths)
         records, mismatches, warmup = run_bench(model, tokenizer, methods, questions, args.max_new_tokens, args.seed,
                                                 greedy)
     table = summarize(records, greedy, mismatches)

@@ -33,6 +33,7 @@ from .batched import generate_batch, is_batch, move_rows
 from .generation import SpeculativeStats, StaticTarget, TreeBudget, speculative_generate
 from .suffix import SuffixProposer, load_proposer
 from .tree import TreeDrafter, catch_up_step, draft_tree
+from .width import checked_width, round_costs
 
 # generate() options that change the output in ways this loop does not reproduce, with neutral values.
 _UNSUPPORTED = {
@@ -80,6 +81,9 @@ class ConFuAssistant:
         suffix: a `SuffixProposer` whose candidates (from the sequence itself and its corpus) join every tree
             under the same `total_tokens` (a hybrid tree), or None for the draft alone; a call can leave it
             out with `suffix=False`.
+        width: "fixed" (every tree holds up to `total_tokens` nodes) or "auto" (the eager batch-1 loop cuts each
+            tree to the width that maximizes its expected accepted tokens per unit of the target's verify cost,
+            measured at the first such call and kept as `verify_costs`; `width.py`), or a cost table {width: seconds}.
 
     A call can also override the draft config's `future_logit_weight` (ConFu: how much the `[con]`'s own
     prediction is mixed into the first drafted level) with `future_logit_weight=`.
@@ -89,7 +93,8 @@ class ConFuAssistant:
 
     def __init__(self, draft: ConFuDraftModel, target_model: PreTrainedModel,
                  adapter: ContemplateAdapter | None = None, contemplate_nodes: int | None = None,
-                 suffix: SuffixProposer | None = None, **tree: int) -> None:
+                 suffix: SuffixProposer | None = None, width: str | dict[int, float] = "fixed", **tree: int) -> None:
+        self.width, self.verify_costs = checked_width(width), None
         if draft.config.contemplate and adapter is None:
             raise ValueError("This is a ConFu draft (contemplate=True): it needs its ContemplateAdapter "
                              f"(saved in {ADAPTER_FOLDER}/ beside the draft).")
@@ -134,7 +139,7 @@ class ConFuAssistant:
         cls, path_or_id: str | os.PathLike, target_model: PreTrainedModel, **kwargs: Any
     ) -> "ConFuAssistant":
         """Load a draft (local folder or Hub id) for `target_model`, with its contemplate adapter if it is a
-        ConFu draft; `depth`/`top_k`/`total_tokens` go to the budget, `contemplate_nodes` as in the class.
+        ConFu draft; `depth`/`top_k`/`total_tokens` go to the budget, `contemplate_nodes` and `width` as in the class.
 
         `suffix`: True (default) uses the suffix corpus saved beside a local draft (`suffix_corpus/`), if there
         is one, with the hybrid budget saved in it (unless `total_tokens`/`suffix_nodes` are given); False the
@@ -143,7 +148,8 @@ class ConFuAssistant:
 
         Reference-format EAGLE-3 drafts (SafeAILab/EAGLE, SpecForge: a Llama config with `draft_vocab_size`,
         weights `midlayer.*`, `fc`, `norm`, `lm_head`, `d2t`, `t2d`) load too (see `eagle3_format`)."""
-        options = {k: kwargs.pop(k) for k in ("depth", "top_k", "total_tokens", "contemplate_nodes") if k in kwargs}
+        options = {k: kwargs.pop(k) for k in ("depth", "top_k", "total_tokens", "contemplate_nodes", "width")
+                   if k in kwargs}
         source, tokenizer, nodes = kwargs.pop("suffix", True), kwargs.pop("tokenizer", None), kwargs.pop("suffix_nodes", None)
         chosen = any(k in options for k in ("depth", "top_k", "total_tokens"))  # by the caller, not saved
         beside = Path(path_or_id) / SUFFIX_FOLDER
@@ -246,7 +252,8 @@ class ConFuAssistant:
         temperature = (config.temperature or 1.0) if config.do_sample else None
         suffix = self.suffix if use_suffix else None
         drafter = TreeDrafter(self.draft, budget.depth, budget.top_k, budget.total_tokens, temperature,
-                              parts.get("draft_cache"), parts.get("draft_calls"), suffix)
+                              parts.get("draft_cache"), parts.get("draft_calls"), suffix,
+                              costs=None if parts else round_costs(self, target, budget.total_tokens))
         output = speculative_generate(
             target, drafter, self.draft.config.feature_layers, input_ids, config, max_new, self.stats,
             tokenizer, streamer, self.adapter, contemplate_nodes, parts.get("target"), future_logit_weight,

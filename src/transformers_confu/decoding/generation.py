@@ -53,13 +53,15 @@ class SpeculativeStats:
     (the first call of a shape), `draft_seconds`/`verify_seconds` are host-side times (asynchronous on a GPU).
     With suffix candidates, `accepted_by_source` counts the accepted drafted tokens (bonus tokens aside) by
     origin, "draft", "suffix" or "both" (proposed by each), and `suffix_seconds` is the suffix lookups' part
-    of `draft_seconds`."""
+    of `draft_seconds`. `tree_sizes`: the nodes verified each round (root included; below the budget where the
+    candidates are fewer, or where a per-round width chose fewer, `width.py`)."""
 
     mode: str = "eager"
     compile_seconds: float = 0.0
     new_tokens: int = 0
     target_forwards: int = 0
     accept_lengths: list[int] = field(default_factory=list)
+    tree_sizes: list[int] = field(default_factory=list)
     fresh_futures: int = 0
     accepted_by_source: dict[str, int] = field(default_factory=dict)
     suffix_seconds: float = 0.0
@@ -311,6 +313,7 @@ def speculative_generate(
         stats.verify_seconds += t2 - t1
         stats.target_forwards += 1
         stats.accept_lengths.append(n)
+        stats.tree_sizes.append(len(tree))
         output, stopped = _append(output, accepted, criteria, streamer)
         feats, state = features[:, path], features[0, last[0]]
         length, at = length + n, at + count

@@ -30,6 +30,7 @@ from .batched import generate_batch, is_batch
 from .generation import SpeculativeStats, TreeBudget, speculative_generate
 from .suffix import CorpusIndex, SuffixProposer, load_proposer
 from .tree import DraftTree, suffix_tree
+from .width import checked_width, round_costs
 
 DEFAULT_TOTAL_TOKENS = 8  # nodes verified per round, root included (measured: results/suffix_*.md)
 
@@ -39,8 +40,9 @@ class SuffixDrafter:
 
     d2t = None  # no draft vocabulary: every child is a point-mass proposal
 
-    def __init__(self, proposer: SuffixProposer, total_tokens: int, pad: bool) -> None:
-        self.proposer, self.total_tokens, self.pad = proposer, total_tokens, pad
+    def __init__(self, proposer: SuffixProposer, total_tokens: int, pad: bool,
+                 costs: dict[int, float] | None = None) -> None:
+        self.proposer, self.total_tokens, self.pad, self.costs = proposer, total_tokens, pad, costs
         proposer.reset()
 
     def catch_up(self, next_ids, features, length, future=None, count=None) -> None:
@@ -49,7 +51,7 @@ class SuffixDrafter:
     def propose(self, root: torch.Tensor | int, root_position, prior=None, context=None) -> DraftTree:
         device = root.device if torch.is_tensor(root) else "cpu"
         candidates = self.proposer.candidates(context, device, self.pad)
-        return suffix_tree(root, candidates, self.total_tokens, self.pad)
+        return suffix_tree(root, candidates, self.total_tokens, self.pad, self.costs)
 
 
 class SuffixAssistant:
@@ -65,6 +67,9 @@ class SuffixAssistant:
         total_tokens: nodes verified per round (root included; default `DEFAULT_TOTAL_TOKENS`); a call can
             override it with `tree_total_tokens=`. Unless one of them is given, a batch runs
             `batched.batch_budget`'s choice.
+        width: "fixed" (every round verifies up to `total_tokens` nodes) or "auto" (the eager batch-1 loop picks
+            each round's width from the candidates' estimates and the target's verify costs, measured at the first
+            such call and kept as `verify_costs`; `width.py`), or a cost table {width: seconds} to pick with.
         **settings: `SuffixProposer` options (`max_depth`, `branch`, `max_match`, ...).
 
     Attributes: `proposer` (the `SuffixProposer`), `budget` (its tree bounds), `stats` (`SpeculativeStats` of the
@@ -74,7 +79,9 @@ class SuffixAssistant:
     routes_generate = True  # `model.generate(assistant_model=self)` runs `self.generate`
 
     def __init__(self, model: PreTrainedModel, corpus: str | os.PathLike | CorpusIndex | None = None,
-                 tokenizer=None, total_tokens: int | None = None, **settings: Any) -> None:
+                 tokenizer=None, total_tokens: int | None = None, width: str | dict[int, float] = "fixed",
+                 **settings: Any) -> None:
+        self.width, self.verify_costs = checked_width(width), None
         self._budget_set = total_tokens is not None
         total_tokens = DEFAULT_TOTAL_TOKENS if total_tokens is None else total_tokens
         if total_tokens < 2:
@@ -115,7 +122,8 @@ class SuffixAssistant:
                                   static=None if static is None else self._static)
         self.stats = SpeculativeStats(mode="eager" if static is None else "static")
         layers = [target.config.num_hidden_layers]  # the loop reads features; nothing uses them here
-        output = speculative_generate(target, SuffixDrafter(self.proposer, total, static is not None), layers,
+        costs = None if static is not None else round_costs(self, target, total)
+        output = speculative_generate(target, SuffixDrafter(self.proposer, total, static is not None, costs), layers,
                                       input_ids, config, max_new, self.stats, tokenizer, streamer, static=static)
         self.stats.suffix_seconds = self.proposer.seconds
         return output

@@ -21,6 +21,7 @@ from transformers import DynamicCache
 from ..models.modeling_confu import ConFuDraftModel
 from ..utils.cache import keep_path, key_width, truncate_cache
 from ..utils.masks import to_additive
+from .width import best_width
 
 if TYPE_CHECKING:
     from .suffix import SuffixCandidates, SuffixProposer
@@ -167,6 +168,7 @@ def draft_tree(
     prior: torch.Tensor | None = None,
     extra: SuffixCandidates | None = None,
     pad: bool = True,
+    costs: dict[int, float] | None = None,
 ) -> DraftTree:
     """Draft a tree under `root`.
 
@@ -182,6 +184,7 @@ def draft_tree(
             (ConFu's `[con]` prediction, already weighted).
         extra: suffix candidates competing with the drafted ones for the same `total_tokens` (see `_select`).
         pad: always `total_tokens` nodes (static shapes); else `extra`'s padding and duplicates are left out.
+        costs: a verify cost table {width: seconds} (eager only): keep the `width.best_width` of the candidates.
 
     `prefix`, `root_position` and `future_slot` are host ints or, on a static cache, 0-d device tensors: then
     the whole function has fixed shapes and no host reads, and the static mode compiles it as one graph.
@@ -223,20 +226,24 @@ def draft_tree(
                         torch.arange(2, depth + 1, device=device).repeat_interleave(top_k * top_k)])
     return _select(root, draft.d2t[torch.cat(tokens)], torch.cat(scores), torch.cat(parents), levels,
                    torch.cat(rows), torch.cat(row_children), None if q is None else torch.cat(row_q), total_tokens,
-                   depth, extra, pad)
+                   depth, extra, pad, costs)
 
 
-def suffix_tree(root: torch.Tensor | int, extra: SuffixCandidates, total_tokens: int, pad: bool = True) -> DraftTree:
-    """A tree of suffix candidates alone (no draft): the best `total_tokens - 1` of them under `root`."""
+def suffix_tree(root: torch.Tensor | int, extra: SuffixCandidates, total_tokens: int, pad: bool = True,
+                costs: dict[int, float] | None = None) -> DraftTree:
+    """A tree of suffix candidates alone (no draft): the best `total_tokens - 1` of them under `root` (with
+    `costs`, the best `width.best_width - 1`)."""
     device = extra.tokens.device
     none = torch.empty(0, dtype=torch.long, device=device)
     return _select(root, none, extra.scores[:0], none, none, torch.full((1,), -1, device=device),
-                   none.view(1, 0), None, total_tokens, 0, extra, pad)
+                   none.view(1, 0), None, total_tokens, 0, extra, pad, costs)
 
 
 def _select(root, tokens, scores, parents, levels, rows, row_children, row_q, total_tokens, depth,
-            extra: SuffixCandidates | None = None, pad: bool = True) -> DraftTree:
-    """Keep the best `total_tokens - 1` of the C drafted candidates and the S suffix ones, on the device.
+            extra: SuffixCandidates | None = None, pad: bool = True, costs: dict[int, float] | None = None
+            ) -> DraftTree:
+    """Keep the best `total_tokens - 1` of the C drafted candidates and the S suffix ones, on the device (with
+    a verify cost table `costs`, eager only: the best `width.best_width - 1` of those, read on the host).
 
     `tokens` (C,) target ids, `scores` log path probabilities, `parents` candidate ids (-1 the root),
     `levels` depths; `rows` (R,) the expanded candidates (-1 the root), `row_children` (R, K) their
@@ -256,7 +263,10 @@ def _select(root, tokens, scores, parents, levels, rows, row_children, row_q, to
     keep = min(total_tokens - 1, n_cand)
     if extra is not None and not pad:  # host read (eager hybrid trees only): leave out padding and merged duplicates
         keep = min(keep, int(torch.isfinite(scores).sum()))
-    chosen = torch.argsort(scores, descending=True, stable=True)[:keep].sort().values
+    order = torch.argsort(scores, descending=True, stable=True)
+    if costs is not None:  # host read: the round's width from the kept candidates' estimates
+        keep = best_width(scores[order[:keep]].tolist(), costs) - 1
+    chosen = order[:keep].sort().values
     node_of = torch.full((n_cand + 1,), -1, dtype=torch.long, device=device)  # candidate + 1 -> node
     node_of[0] = 0
     node_of[chosen + 1] = torch.arange(1, keep + 1, device=device)
@@ -336,17 +346,19 @@ class TreeDrafter:
     tensors); `calls` may replace `catch_up_step` and `draft_tree` by their compiled versions (static mode).
     With a `suffix` proposer, its candidates for the context (prompt + accepted tokens) join each tree under
     the same `total_tokens` (a hybrid tree); `pad` keeps every tree at its full size (padding nodes score -inf:
-    a static cache's fixed shapes, a batch's stacked rows).
+    a static cache's fixed shapes, a batch's stacked rows); `costs` (eager only): a verify cost table, each tree
+    cut to the `width.best_width` of its candidates.
     """
 
     def __init__(self, draft: ConFuDraftModel, depth: int, top_k: int, total_tokens: int,
                  temperature: float | None = None, cache=None, calls: dict | None = None,
-                 suffix: SuffixProposer | None = None, pad: bool | None = None) -> None:
+                 suffix: SuffixProposer | None = None, pad: bool | None = None,
+                 costs: dict[int, float] | None = None) -> None:
         self.draft, self.depth, self.top_k, self.total_tokens = draft, depth, top_k, total_tokens
         self.temperature = temperature
         self.pad = cache is not None if pad is None else pad  # fixed shapes (default: with a static cache)
         self.cache = DynamicCache() if cache is None else cache
-        self.suffix = suffix
+        self.suffix, self.costs = suffix, costs
         if suffix is not None:
             suffix.reset()
         calls = calls or {}
@@ -380,7 +392,7 @@ class TreeDrafter:
         extra = None if self.suffix is None else self.suffix.candidates(context, self.hidden.device, self.pad)
         return self._propose(self.draft, self.cache, self.length, self.hidden, root, root_position, self.depth,
                              self.top_k, self.total_tokens, self.temperature, self._future_slot, prior, extra,
-                             self.pad)
+                             self.pad, self.costs)
 
 
 def catch_up_step(draft: ConFuDraftModel, cache, next_ids: torch.LongTensor, features: torch.Tensor,
