@@ -151,14 +151,13 @@ class ConFuAssistant:
         options = {k: kwargs.pop(k) for k in ("depth", "top_k", "total_tokens", "contemplate_nodes", "width")
                    if k in kwargs}
         source, tokenizer, nodes = kwargs.pop("suffix", True), kwargs.pop("tokenizer", None), kwargs.pop("suffix_nodes", None)
-        chosen = any(k in options for k in ("depth", "top_k", "total_tokens"))  # by the caller, not saved
         beside = Path(path_or_id) / SUFFIX_FOLDER
         if source is True:
             source = beside if beside.is_dir() else None
-        suffix = load_proposer(source, target_model, tokenizer)
+        suffix, saved_total = load_proposer(source, target_model, tokenizer), None
         if suffix is not None and suffix.corpus is not None:
             hybrid = suffix.corpus.meta.get("hybrid", {})
-            options.setdefault("total_tokens", hybrid.get("total_tokens", suffix.max_nodes + 1))
+            saved_total = hybrid.get("total_tokens", suffix.max_nodes + 1)
             suffix.max_nodes = nodes or hybrid.get("suffix_nodes", suffix.max_nodes)
         elif suffix is not None and nodes:
             suffix.max_nodes = nodes
@@ -169,7 +168,8 @@ class ConFuAssistant:
             draft = load_draft(path_or_id, **kwargs)
             adapter = load_adapter(path_or_id, **kwargs) if draft.config.contemplate else None
             assistant = cls(draft, target_model, adapter, suffix=suffix, **options)
-        assistant._budget_set = chosen  # the corpus's saved hybrid budget is a saved one: batches follow the policy
+        if saved_total is not None and "total_tokens" not in options:
+            assistant.budget.total_tokens = saved_total  # a saved default, not the caller's: batches follow the policy
         return assistant
 
     @classmethod
