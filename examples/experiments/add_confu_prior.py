@@ -46,8 +46,11 @@ def main() -> None:
     draft.config.validate_fields()
     draft.to(torch.bfloat16).save_pretrained(args.out)
     adapter.save_to(args.out)
-    for source, name in ((args.eagle3, "training_record.json"), (args.confu, "adapter_training_record.json")):
-        record = Path(source) / "training_record.json"
+    adapter_record = Path(args.confu) / "adapter_training_record.json"  # a donor assembled by this script
+    if not adapter_record.is_file():
+        adapter_record = Path(args.confu) / "training_record.json"
+    for record, name in ((Path(args.eagle3) / "training_record.json", "training_record.json"),
+                         (adapter_record, "adapter_training_record.json")):
         if record.is_file():
             shutil.copy(record, Path(args.out) / name)
     print(f"ConFu draft (f as a first-level prior, weight {args.weight}) -> {args.out}")

@@ -10,7 +10,7 @@ from conftest import chat_tokenizer, tiny_target
 
 from transformers_confu import ConFuAssistant
 from transformers_confu.models.hub import model_card
-from transformers_confu.training.train import main, parse_args
+from transformers_confu.training.train import cpu_bf16_problem, main, parse_args
 
 
 def saved_target_and_data(tmp_path, n_rows: int, extra: str = ""):
@@ -109,3 +109,11 @@ def test_no_training_data_is_a_clear_error(capsys):
     with pytest.raises(SystemExit):
         parse_args(["--output-dir", "run"])
     assert "no training data given: pass training data: --data FILE_OR_HUB_ID" in capsys.readouterr().err
+
+
+def test_bf16_on_a_cpu_without_bf16_kernels_is_warned_about(monkeypatch):
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
+    assert "leave --bf16 out" in cpu_bf16_problem("cpu")
+    assert cpu_bf16_problem("cuda") is None  # GPUs run bf16 natively
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True)
+    assert cpu_bf16_problem("cpu") is None
