@@ -56,6 +56,25 @@ def run_way(way: str, model, tokenizer, prompts: list[list[int]], max_new_tokens
     return answers, time.perf_counter() - start
 
 
+def recorded_prompts(tokenizer, prompts_file: str, recorded: dict, count: int, max_prompt_tokens: int, seed: int
+                     ) -> tuple[list[list[int]], list[dict]]:
+    """(token ids, request rows) of `count` shuffled requests of `prompts_file` that `recorded` answered and
+    that fit in `max_prompt_tokens`, in the order regeneration takes them."""
+    rows = [json.loads(line) for line in Path(prompts_file).read_text(encoding="utf-8").split("\n") if line.strip()]
+    rows = [r for r in rows if prompt_key(r["messages"]) in recorded]
+    random.Random(seed).shuffle(rows)
+    prompts, kept = [], []
+    for row in rows:
+        ids = tokenizer(render(tokenizer, row["messages"], add_generation_prompt=True), add_special_tokens=False)["input_ids"]
+        if len(ids) <= max_prompt_tokens:
+            prompts.append(ids)
+            kept.append(row)
+        if len(prompts) == count:
+            break
+    order = [i for b in _batches(prompts, 32) for i in b]  # as regeneration orders them
+    return [prompts[i] for i in order], [kept[i] for i in order]
+
+
 def prefill_rate(model, prompts: list[list[int]], batch: int) -> dict:
     rows = prompts[:batch]
     ids, mask = left_padded(rows, 0)
@@ -81,19 +100,7 @@ def main() -> None:
     args = p.parse_args()
     model, tokenizer = load_target()
     recorded = read_responses(Path(args.answers) / "responses.jsonl")
-    rows = [json.loads(line) for line in Path(args.prompts).read_text(encoding="utf-8").split("\n") if line.strip()]
-    rows = [r for r in rows if prompt_key(r["messages"]) in recorded]
-    random.Random(args.seed).shuffle(rows)
-    prompts, kept = [], []
-    for row in rows:
-        ids = tokenizer(render(tokenizer, row["messages"], add_generation_prompt=True), add_special_tokens=False)["input_ids"]
-        if len(ids) <= args.max_prompt_tokens:
-            prompts.append(ids)
-            kept.append(row)
-        if len(prompts) == args.count:
-            break
-    order = [i for b in _batches(prompts, 32) for i in b]  # as regeneration orders them
-    prompts, kept = [prompts[i] for i in order], [kept[i] for i in order]
+    prompts, kept = recorded_prompts(tokenizer, args.prompts, recorded, args.count, args.max_prompt_tokens, args.seed)
     eos = [model.generation_config.eos_token_id]
     kinds = {}
     for r in kept:
