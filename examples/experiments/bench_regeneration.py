@@ -56,6 +56,17 @@ def run_way(way: str, model, tokenizer, prompts: list[list[int]], max_new_tokens
     return answers, time.perf_counter() - start
 
 
+def add_prompt_arguments(p: argparse.ArgumentParser, count: int) -> None:
+    """The arguments that choose the recorded prompts (`recorded_prompts`) and where the results go."""
+    p.add_argument("--prompts", required=True, help="a .jsonl of {messages, kind} requests")
+    p.add_argument("--answers", required=True, help="a regeneration folder that answered some of them")
+    p.add_argument("--count", type=int, default=count)
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--max-prompt-tokens", type=int, default=704)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", required=True, help="writes OUT.json and OUT.md")
+
+
 def recorded_prompts(tokenizer, prompts_file: str, recorded: dict, count: int, max_prompt_tokens: int, seed: int
                      ) -> tuple[list[list[int]], list[dict]]:
     """(token ids, request rows) of `count` shuffled requests of `prompts_file` that `recorded` answered and
@@ -89,14 +100,8 @@ def prefill_rate(model, prompts: list[list[int]], batch: int) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--prompts", required=True, help="a .jsonl of {messages, kind} requests")
-    p.add_argument("--answers", required=True, help="a regeneration folder that answered some of them")
-    p.add_argument("--count", type=int, default=128)
-    p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--max-prompt-tokens", type=int, default=704)
+    add_prompt_arguments(p, count=128)
     p.add_argument("--ways", nargs="+", default=["generate:32", "refill:32", "refill:64"])
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", required=True, help="writes OUT.json and OUT.md")
     args = p.parse_args()
     model, tokenizer = load_target()
     recorded = read_responses(Path(args.answers) / "responses.jsonl")

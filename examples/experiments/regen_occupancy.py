@@ -17,7 +17,7 @@ import json
 from pathlib import Path
 
 # this script's folder is on sys.path when it runs
-from bench_regeneration import recorded_prompts
+from bench_regeneration import add_prompt_arguments, recorded_prompts
 
 from transformers_confu.models.target import load_target
 from transformers_confu.training.continuous_batching import stream_answers
@@ -26,14 +26,8 @@ from transformers_confu.training.regenerate import read_responses
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--prompts", required=True, help="a .jsonl of {messages, kind} requests")
-    p.add_argument("--answers", required=True, help="a regeneration folder that answered some of them")
-    p.add_argument("--count", type=int, default=256)
+    add_prompt_arguments(p, count=256)
     p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--max-prompt-tokens", type=int, default=704)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", required=True, help="writes OUT.json and OUT.md")
     args = p.parse_args()
     model, tokenizer = load_target()
     recorded = read_responses(Path(args.answers) / "responses.jsonl")
@@ -76,7 +70,7 @@ def main() -> None:
         f"| attention cells computed (rows x shared width) | {c['attention_cells']} |",
         f"| of them inside a row's mask (rows waiting for a refill included) | {c['attended_cells']} ({c['attended_cells'] / c['attention_cells']:.0%}) |",
         f"| mean cache width | {c['attention_cells'] / c['row_steps']:.0f} |",
-        f"| refill prefills | {c['prefills']} |",
+        f"| prefills (the first rows and the refills) | {c['prefills']} |",
         f"| prefill tokens, padded / prompt | {c['prefill_padded_tokens']} / {c['prefill_prompt_tokens']} |",
     ]
     Path(args.out + ".md").write_text("\n".join(lines) + "\n")
