@@ -1,18 +1,39 @@
 #!/usr/bin/env bash
-# Round-robin, time-boxed regeneration of the prompt pool (runs/regen/prompts_<kind>.jsonl) into
+# Round-robin, time-boxed regeneration of the prompt pool (runs/regen/pool/prompts_<kind>.jsonl) into
 # runs/regen/answers, by kind; resumable: rerun to go on. Stop it with `touch runs/regen/STOP`.
-#   KINDS="qa chat" MINUTES=12 BATCH=64 THREADS=1 nohup bash examples/regen_loop.sh &
+#   PROMPTS=../shared/data/prompts TRAIN=../shared/data/train KINDS="qa chat" MINUTES=12 BATCH=64 THREADS=1 \
+#     nohup bash examples/regen_loop.sh &
+# On a fresh machine the pool is built first from PROMPTS and TRAIN (the `followup` kind from the dataset's
+# answers). Prompts the answers dataset (DATASET) already answers are skipped, never answered twice.
 # Rows are refilled as answers end (continuous batching); a piece stops starting prompts after MINUTES.
 # On an idle 2-core machine use THREADS=2: 64 rows ran 80 answer tokens/s there (results/regen_throughput_2threads.md).
+# Then into the dataset (a new shard, the card rewritten):
+#   python -m transformers_confu.training.answers_dataset --dataset data/smollm2-135m-instruct-answers \
+#     --answers runs/regen/answers --prompts runs/regen/pool/prompts_*.jsonl ../shared/data/regen/prompts.jsonl
+set -euo pipefail
 cd "$(dirname "$0")/.."
 export OMP_NUM_THREADS=${THREADS:-1}
 KINDS=${KINDS:-"translation qa rag summarization chat"}
+DATASET=${DATASET:-data/smollm2-135m-instruct-answers}
+pool=runs/regen/pool
+mkdir -p $pool
+if [ ! -f $pool/prompts_chat.jsonl ]; then
+  .venv/bin/python -m transformers_confu.training.prompt_pool --out $pool \
+    --prompts-dir "${PROMPTS:?set PROMPTS to the prompt files folder, e.g. ../shared/data/prompts}" \
+    --train-dir "${TRAIN:?set TRAIN to the training files folder, e.g. ../shared/data/train}"
+fi
+if [[ " $KINDS " == *" followup "* && ! -f $pool/prompts_followup.jsonl ]]; then
+  .venv/bin/python -m transformers_confu.training.prompt_pool --out $pool --followups-from "$DATASET" \
+    --prompts-dir "${PROMPTS:?set PROMPTS to the prompt files folder}"
+fi
+for kind in $KINDS; do
+  [ -f $pool/prompts_$kind.jsonl ] || { echo "no prompts of kind $kind in $pool" >&2; exit 2; }
+done
 for round in $(seq 1 50); do
   for kind in $KINDS; do
     [ -f runs/regen/STOP ] && exit 0
-    [ -f runs/regen/prompts_$kind.jsonl ] || continue
-    .venv/bin/confu-train --output-dir runs/regen/out --data runs/regen/prompts_$kind.jsonl --regenerate --regenerate-only \
-      --regenerate-dir runs/regen/answers --max-length 768 --regenerate-batch-size ${BATCH:-64} \
-      --regenerate-minutes ${MINUTES:-12} >> runs/regen/log_$kind.txt 2>&1
+    .venv/bin/confu-train --output-dir runs/regen/out --data $pool/prompts_$kind.jsonl --regenerate --regenerate-only \
+      --regenerate-dir runs/regen/answers --regenerate-reuse "$DATASET" --max-length 768 \
+      --regenerate-batch-size ${BATCH:-64} --regenerate-minutes ${MINUTES:-12} >> runs/regen/log_$kind.txt 2>&1
   done
 done

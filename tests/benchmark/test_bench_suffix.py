@@ -7,9 +7,10 @@ import json
 import pytest
 from conftest import tiny_target, tiny_tokenizer
 from test_bench import write_questions
+from transformers import AutoModelForCausalLM
 
 from transformers_confu import ConFuAssistant, ConFuDraftConfig
-from transformers_confu.benchmark.bench import main
+from transformers_confu.benchmark.bench import build_methods, main
 from transformers_confu.decoding.suffix_index import CorpusIndex, tokenizer_fingerprint
 
 
@@ -62,3 +63,31 @@ def test_bench_width_switch_adds_auto_width_rows_for_suffix_and_hybrid_methods(t
     assert "nodes/round" in (tmp_path / "bench.md").read_text()
     with pytest.raises(SystemExit, match="--width"):
         main(["--target", str(tmp_path / "target"), "--questions", str(tmp_path / "q.jsonl"), "--width", "wide"])
+
+
+def test_bench_runs_corpus_methods_once_per_corpus(tmp_path):
+    save_setup(tmp_path)
+    other = CorpusIndex.build([[5, 6, 7, 8, 9, 10, 11]], dict(tokenizer_fingerprint=tokenizer_fingerprint(tiny_tokenizer())))
+    other.save_pretrained(tmp_path / "other")
+    args = ["--target", str(tmp_path / "target"), "--drafts", str(tmp_path / "draft"), "--questions",
+            str(write_questions(tmp_path / "q.jsonl", n=2)), "--max-new-tokens", "8", "--trees", "2,1,3",
+            "--prompt-lookup", "0", "--suffix", "suffix,suffix-corpus,hybrid", "--suffix-tokens", "4",
+            "--hybrid-trees", "2,1,6,3", "--out", str(tmp_path / "bench"), "--suffix-corpus"]
+    summary = main(args + [str(tmp_path / "corpus"), str(tmp_path / "other")])
+    assert list(summary["table"]) == [
+        "generate", "suffix:n4", "suffix-corpus:n4@corpus", "suffix-corpus:n4@other", "eagle3:draft:d2k1n3",
+        "eagle3-hybrid:draft:d2k1n6s3@corpus", "eagle3-hybrid:draft:d2k1n6s3@other"]
+    assert summary["mismatches"] == {}
+    target = AutoModelForCausalLM.from_pretrained(tmp_path / "target")
+    methods = {m.name: m for m in build_methods(target, [str(tmp_path / "draft")], [], dict(do_sample=False), None,
+                                                suffix=("suffix-corpus", "hybrid"), hybrid_trees=[(2, 1, 6, 3)],
+                                                suffix_corpus=[str(tmp_path / "corpus"), str(tmp_path / "other")])}
+    proposers = {name: m.assistant.proposer if "hybrid" not in name else m.assistant.suffix for name, m in methods.items()
+                 if "@" in name}
+    assert {name: len(p.corpus.tokens) for name, p in proposers.items()} == {  # each its own corpus (+ separators)
+        "suffix-corpus:n8@corpus": 11, "suffix-corpus:n8@other": 8, "eagle3-hybrid:draft:d2k1n6s3@corpus": 11,
+        "eagle3-hybrid:draft:d2k1n6s3@other": 8}
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "corpus").rename(tmp_path / "elsewhere" / "other")
+    with pytest.raises(ValueError, match="share a folder name"):
+        main(args + [str(tmp_path / "elsewhere" / "other"), str(tmp_path / "other")])

@@ -12,11 +12,12 @@ also get the task-quality check of `quality.py`: exact match per method with con
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import platform
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -78,7 +79,8 @@ def auto_tree(model, tokenizer, path: str, questions: list[dict], candidates: li
 def build_methods(model, drafts: list[str], trees: list[tuple[int, int, int]], sampling: dict,
                   prompt_lookup: int | None, contemplate_nodes: list[int | str | None] = (None,),
                   assistant_model=None, static_baseline: bool = False, loops: tuple[str, ...] = ("eager",),
-                  static: dict | None = None, suffix: tuple[str, ...] = (), suffix_corpus: str | None = None,
+                  static: dict | None = None, suffix: tuple[str, ...] = (),
+                  suffix_corpus: str | Sequence[str] | None = None,
                   suffix_tokens: tuple[int, ...] = (DEFAULT_TOTAL_TOKENS,), hybrid_trees: list[tuple[int, ...]] = (),
                   widths: tuple[str, ...] = ("fixed",)) -> list[Method]:
     """Plain generate (the reference), with `static_baseline` plain generate with a static cache (which transformers
@@ -92,8 +94,13 @@ def build_methods(model, drafts: list[str], trees: list[tuple[int, int, int]], s
     "suffix" (the sequence itself), "suffix-corpus" (and `suffix_corpus`); "hybrid" runs every draft with the
     suffix candidates of both sources in its trees, per `hybrid_trees` budget (depth, top_k, total_tokens, suffix
     nodes), named `<mode>-hybrid:<draft>:d..k..n..s..`. `widths`: the suffix and hybrid methods once per entry,
-    "fixed" and/or "auto" (a per-round width, `width.py`; eager loop only; named `<method>:auto-width`)."""
+    "fixed" and/or "auto" (a per-round width, `width.py`; eager loop only; named `<method>:auto-width`).
+    Several `suffix_corpus` folders run each corpus method once per corpus, named `<method>@<corpus folder name>`."""
     static = static or static_options("auto")
+    corpora = [suffix_corpus] if suffix_corpus is None or isinstance(suffix_corpus, (str, Path)) else list(suffix_corpus)
+    at = {c: f"@{Path(c).name}" if len(corpora) > 1 else "" for c in corpora}
+    if len(set(at.values())) < len(corpora):
+        raise ValueError(f"Suffix corpora {corpora} share a folder name; give each its own, the methods are named by it.")
     ones = torch.ones_like
 
     def plain(ids, n):
@@ -111,21 +118,22 @@ def build_methods(model, drafts: list[str], trees: list[tuple[int, int, int]], s
             ids, attention_mask=ones(ids), max_new_tokens=n, assistant_model=assistant_model, **sampling), None)))
     runs = {width: [loop for loop in loops if width == "fixed" or loop == "eager"] for width in widths}
     for name in (x for x in suffix if x in ("suffix", "suffix-corpus")):
-        for total in suffix_tokens:
-            for width, width_loops in runs.items():
-                assistant = SuffixAssistant(model, corpus=suffix_corpus if name == "suffix-corpus" else None,
-                                            total_tokens=total, width=width)
-                for loop in width_loops:
-                    tag, options = ("", {}) if loop == "eager" else ("-static", static)
-                    methods.append(Method(f"{name}{tag}:n{total}{WIDTH_TAGS[width]}",
-                                          _speculative(model, assistant, {**sampling, **options}), assistant))
+        for corpus in corpora if name == "suffix-corpus" else [None]:
+            for total in suffix_tokens:
+                for width, width_loops in runs.items():
+                    assistant = SuffixAssistant(model, corpus=corpus, total_tokens=total, width=width)
+                    for loop in width_loops:
+                        tag, options = ("", {}) if loop == "eager" else ("-static", static)
+                        methods.append(Method(f"{name}{tag}:n{total}{WIDTH_TAGS[width]}{at.get(corpus, '')}",
+                                              _speculative(model, assistant, {**sampling, **options}), assistant))
     budgets = list(trees) + (list(hybrid_trees) if "hybrid" in suffix else [])
     for path in drafts:
         for budget in budgets:
             kind = "-hybrid" if len(budget) > 3 else ""
-            for width, width_loops in (runs.items() if kind else [("fixed", loops)]):
-                assistant = draft_assistant(model, path, budget, suffix_corpus, width)
-                tree = f"{Path(path).name}:{budget_name(budget)}{WIDTH_TAGS[width]}"
+            for corpus, (width, width_loops) in itertools.product(
+                    corpora if kind else [None], runs.items() if kind else [("fixed", loops)]):
+                assistant = draft_assistant(model, path, budget, corpus, width)
+                tree = f"{Path(path).name}:{budget_name(budget)}{WIDTH_TAGS[width]}{at.get(corpus, '')}"
                 for loop in width_loops:
                     tag, options = ("", {}) if loop == "eager" else ("-static", static)
                     if not assistant.draft.config.contemplate:
@@ -383,7 +391,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prompt-lookup", type=int, default=10, help="prompt-lookup tokens (0 = leave it out)")
     p.add_argument("--suffix", default="", help="suffix-drafting methods, comma-separated: suffix (SuffixAssistant, "
                    "the sequence itself), suffix-corpus (and the corpus), hybrid (each draft with both sources)")
-    p.add_argument("--suffix-corpus", default=str(SHIPPED_CORPUS), help="suffix corpus folder or Hub id")
+    p.add_argument("--suffix-corpus", nargs="+", default=[str(SHIPPED_CORPUS)],
+                   help="suffix corpus folders or Hub ids; several: each corpus method once per corpus (@<folder name>)")
     p.add_argument("--suffix-tokens", default=str(DEFAULT_TOTAL_TOKENS),
                    help="SuffixAssistant: nodes verified per round (root included), comma-separated widths")
     p.add_argument("--hybrid-trees", default="2,1,8,6",
@@ -440,7 +449,7 @@ def _main(args: argparse.Namespace, argv) -> dict:
     if args.auto_tree:
         for path in args.drafts:
             best, speeds = auto_tree(model, tokenizer, path, questions[: args.auto_questions],
-                                     _budgets(args.auto_candidates), args.max_new_tokens, sampling, args.suffix_corpus)
+                                     _budgets(args.auto_candidates), args.max_new_tokens, sampling, args.suffix_corpus[0])
             calibration[Path(path).name] = dict(chosen=best, tokens_per_s=speeds)
             if len(best) == 3 and best not in trees:
                 trees = trees + [best]
@@ -461,9 +470,11 @@ def _main(args: argparse.Namespace, argv) -> dict:
     if not set(loops) <= {"eager", "static"}:
         raise SystemExit(f"--loops {args.loops!r}: choose among eager, static.")
     if args.batch_size > 1:
+        if len(args.suffix_corpus) > 1:
+            raise SystemExit("--suffix-corpus: one corpus with --batch-size > 1.")
         methods = batch_methods(model, args.drafts, trees, sampling,
                                 static_options(args.compile) if args.static_baseline else None, suffix,
-                                args.suffix_corpus, tuple(int(x) for x in args.suffix_tokens.split(",")), hybrid_trees,
+                                args.suffix_corpus[0], tuple(int(x) for x in args.suffix_tokens.split(",")), hybrid_trees,
                                 loops, static_options(args.compile))
         records, mismatches, warmup = run_batches(model, tokenizer, methods, questions, args.max_new_tokens,
                                                   args.seed, greedy, args.batch_size, divergence)
