@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,6 +29,7 @@ from ..models.target import DEFAULT_TARGET, hub_name, tokenizer_path
 from .data import Messages, prompt_messages
 from .regenerate import prompt_key, read_responses
 
+PROG = "python -m transformers_confu.training.suffix_corpus"
 ANSWER_FIELDS = ("response", "answer", "completion", "output", "text")
 
 
@@ -109,7 +112,7 @@ def build_corpus(rows: list[tuple[Messages | None, str]], tokenizer, calibration
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m transformers_confu.training.suffix_corpus", description=__doc__,
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("sources", nargs="+", help="regeneration folders, dataset folders or .jsonl/.json files")
     p.add_argument("--out", required=True, help="the corpus folder to write (e.g. <draft>/suffix_corpus)")
@@ -119,12 +122,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--hybrid-total-tokens", type=int, default=None,
                    help="hybrid budget saved with the corpus: nodes per tree (draft + suffix, root included)")
     p.add_argument("--hybrid-suffix-nodes", type=int, default=None, help="hybrid budget: suffix candidates offered")
+    p.add_argument("--hybrid-chosen-by", default=None,
+                   help="how the hybrid budget was chosen (e.g. the benchmark file), for the draft's card")
     return p.parse_args(argv)
 
 
 def main(argv=None) -> dict:
     from transformers import AutoTokenizer
 
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path(args.tokenizer))
     rows = [row for source in args.sources for row in read_rows(source)][: args.limit]
@@ -132,7 +138,10 @@ def main(argv=None) -> dict:
     if args.hybrid_total_tokens:
         index.meta["hybrid"] = dict(total_tokens=args.hybrid_total_tokens, suffix_nodes=args.hybrid_suffix_nodes
                                     or args.hybrid_total_tokens - 1)
+        if args.hybrid_chosen_by:
+            index.meta["hybrid"]["chosen_by"] = args.hybrid_chosen_by
     index.meta["build"] = {k: v for k, v in report.items() if k != "calibration"}
+    index.meta.update(sources=list(args.sources), command=" ".join([PROG, shlex.join(argv)]))
     index.save_pretrained(args.out)
     print(json.dumps(report, indent=2))
     return report
