@@ -6,15 +6,17 @@
 # On a fresh machine the pool is built first from PROMPTS and TRAIN (the `followup` kind from the dataset's
 # answers). Prompts the answers dataset (DATASET) already answers are skipped, never answered twice.
 # Rows are refilled as answers end (continuous batching); a piece stops starting prompts after MINUTES.
-# On an idle 2-core machine use THREADS=2: 64 rows ran 80 answer tokens/s there (results/regen_throughput_2threads.md).
+# On an idle 2-core machine use THREADS=2: 64 rows ran 80 answer tokens/s there (results/regen_throughput_2threads.md);
+# or two loops of THREADS=1 on disjoint KINDS, the second with ANSWERS=runs/regen/answers2 (a folder per loop).
 # Then into the dataset (a new shard, the card rewritten):
 #   python -m transformers_confu.training.answers_dataset --dataset data/smollm2-135m-instruct-answers \
-#     --answers runs/regen/answers --prompts runs/regen/pool/prompts_*.jsonl ../shared/data/regen/prompts.jsonl
+#     --answers runs/regen/answers [runs/regen/answers2] --prompts runs/regen/pool/prompts_*.jsonl ../shared/data/regen/prompts.jsonl
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export OMP_NUM_THREADS=${THREADS:-1}
 KINDS=${KINDS:-"translation qa rag summarization chat"}
 DATASET=${DATASET:-data/smollm2-135m-instruct-answers}
+ANSWERS=${ANSWERS:-runs/regen/answers}
 pool=runs/regen/pool
 mkdir -p $pool
 if [ ! -f $pool/prompts_chat.jsonl ]; then
@@ -32,8 +34,8 @@ done
 for round in $(seq 1 50); do
   for kind in $KINDS; do
     [ -f runs/regen/STOP ] && exit 0
-    .venv/bin/confu-train --output-dir runs/regen/out --data $pool/prompts_$kind.jsonl --regenerate --regenerate-only \
-      --regenerate-dir runs/regen/answers --regenerate-reuse "$DATASET" --max-length 768 \
+    .venv/bin/confu-train --output-dir $ANSWERS-out --data $pool/prompts_$kind.jsonl --regenerate --regenerate-only \
+      --regenerate-dir $ANSWERS --regenerate-reuse "$DATASET" --max-length 768 \
       --regenerate-batch-size ${BATCH:-64} --regenerate-minutes ${MINUTES:-12} >> runs/regen/log_$kind.txt 2>&1
   done
 done
