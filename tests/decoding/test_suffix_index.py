@@ -80,7 +80,9 @@ def test_corpus_saves_loads_memory_mapped_and_checks_the_tokenizer(tmp_path):
                                                             tokenizer_name="tiny"))
     index.save_pretrained(tmp_path / "corpus")
     loaded = CorpusIndex.from_pretrained(tmp_path / "corpus", tokenizer=tokenizer)
-    assert all(isinstance(a.base, np.memmap) for a in (loaded.tokens, loaded.suffix_array, loaded.keys))  # mapped views
+    assert all(isinstance(a.base, np.memmap) for a in (loaded.tokens, loaded.suffix_array))  # mapped views
+    assert sorted(f.name for f in (tmp_path / "corpus").iterdir()) == ["config.json", "suffix_array.npy", "tokens.npy"]
+    assert np.array_equal(loaded.keys, index.keys)  # derived again on load
     assert loaded.meta["documents"] == 2 and loaded.meta["tokens"] == 7
     assert loaded.match([1, 4, 5], 4)[:1] == (2,) and loaded.match([4, 5, 99], 4)[0] == 0  # 99: above the ids
     with pytest.raises(ValueError, match="another tokenizer.*fingerprint.*Build a corpus with this model's tokenizer"):

@@ -82,18 +82,18 @@ class CorpusIndex:
 
     Attributes:
         tokens: (T,) int32 corpus; suffix_array: (T,) int32 start of each suffix, in lexicographic order.
-        keys: (T,) uint64, the first `meta["key_tokens"]` tokens of each suffix (in suffix-array order), packed.
+        keys: (T,) uint64, the first `meta["key_tokens"]` tokens of each suffix (in suffix-array order), packed;
+            derived from the two on load (~0.1 s per million tokens), not stored.
         meta: `config.json`: tokenizer fingerprint and name, documents, tokens, key layout, calibration, ...
     """
 
-    def __init__(self, tokens: np.ndarray, suffix_array: np.ndarray, meta: dict, keys: np.ndarray | None = None) -> None:
+    def __init__(self, tokens: np.ndarray, suffix_array: np.ndarray, meta: dict) -> None:
         self.tokens, self.suffix_array, self.meta = tokens, suffix_array, meta
-        if keys is None:
+        if "key_tokens" not in meta:
             bits = max(1, int(tokens.max()) + 2).bit_length()  # ids + 1 (0: the separator)
             meta.update(key_bits=bits, key_tokens=64 // bits)
-            keys = prefix_keys(tokens, suffix_array, bits, 64 // bits)
-        self.keys = keys
         self._bits, self._width = meta["key_bits"], meta["key_tokens"]
+        self.keys = prefix_keys(tokens, suffix_array, self._bits, self._width)
 
     @classmethod
     def build(cls, documents: Iterable[Sequence[int]], meta: dict | None = None) -> "CorpusIndex":
@@ -113,7 +113,6 @@ class CorpusIndex:
         with atomic_dir(Path(folder)) as tmp:
             np.save(tmp / "tokens.npy", self.tokens)
             np.save(tmp / "suffix_array.npy", self.suffix_array)
-            np.save(tmp / "prefix_keys.npy", self.keys)
             (tmp / CORPUS_CONFIG).write_text(json.dumps({"format": CORPUS_FORMAT, **self.meta}, indent=2))
 
     @classmethod
@@ -132,17 +131,15 @@ class CorpusIndex:
         try:
             meta = json.loads((folder / CORPUS_CONFIG).read_text())
             # plain ndarray views of the maps: a `np.memmap` slice costs a Python-level subclass hop, per lookup step
-            tokens, sa, keys = (np.asarray(np.load(folder / f"{name}.npy", mmap_mode="r"))
-                                for name in ("tokens", "suffix_array", "prefix_keys"))
+            tokens, sa = (np.asarray(np.load(folder / f"{name}.npy", mmap_mode="r")) for name in ("tokens", "suffix_array"))
         except (OSError, ValueError) as err:
             raise OSError(f"{str(path_or_id)!r} is not a readable suffix corpus ({err}): it needs config.json, "
-                          "tokens.npy, suffix_array.npy and prefix_keys.npy; build it again with "
+                          "tokens.npy and suffix_array.npy; build it again with "
                           "`python -m transformers_confu.training.suffix_corpus`.") from err
-        if (meta.get("format") != CORPUS_FORMAT or not tokens.size or not tokens.shape == sa.shape == keys.shape
-                or "key_tokens" not in meta):
+        if meta.get("format") != CORPUS_FORMAT or not tokens.size or tokens.shape != sa.shape or "key_tokens" not in meta:
             raise OSError(f"{str(path_or_id)!r} is not a complete suffix corpus (format {meta.get('format')!r}, "
-                          f"{tokens.size} tokens, {sa.size} suffixes, {keys.size} keys): build it again.")
-        index = cls(tokens, sa, meta, keys)
+                          f"{tokens.size} tokens, {sa.size} suffixes): build it again.")
+        index = cls(tokens, sa, meta)
         if tokenizer is not None:
             index.check_tokenizer(tokenizer)
         return index
