@@ -155,7 +155,9 @@ def test_norm_output_false_checkpoint_loads_drafts_trains_and_exports_as_the_ref
                                   features[0], ids)
     assert (normed - expected).abs().max() > 1.0  # the norm matters for these weights
     logits = draft.logits(draft(ids, features.double(), torch.arange(9)[None], causal))[0]
-    assert torch.allclose(logits, expected, atol=1e-6)
+    # un-normed logits reach ~150 and the target's features are float32: the kernels' rounding (it differs between
+    # CPUs: 4e-6 seen on AVX-512) stays far below the 1.0 the norm would change
+    assert torch.allclose(logits, expected, atol=1e-4)
     assert torch.equal(draft.d2t[logits.argmax(-1)], expected_ids)
 
     draft.float().requires_grad_(True)
