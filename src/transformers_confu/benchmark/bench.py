@@ -98,8 +98,8 @@ def build_methods(model, drafts: list[str], trees: list[tuple[int, int, int]], s
     Several `suffix_corpus` folders run each corpus method once per corpus, named `<method>@<corpus folder name>`."""
     static = static or static_options("auto")
     corpora = [suffix_corpus] if suffix_corpus is None or isinstance(suffix_corpus, (str, Path)) else list(suffix_corpus)
-    at = {c: f"@{Path(c).name}" if len(corpora) > 1 else "" for c in corpora}
-    if len(set(at.values())) < len(corpora):
+    corpus_tag = {c: f"@{Path(c).name}" if len(corpora) > 1 else "" for c in corpora}
+    if len(set(corpus_tag.values())) < len(corpora):
         raise ValueError(f"Suffix corpora {corpora} share a folder name; give each its own, the methods are named by it.")
     ones = torch.ones_like
 
@@ -124,7 +124,7 @@ def build_methods(model, drafts: list[str], trees: list[tuple[int, int, int]], s
                     assistant = SuffixAssistant(model, corpus=corpus, total_tokens=total, width=width)
                     for loop in width_loops:
                         tag, options = ("", {}) if loop == "eager" else ("-static", static)
-                        methods.append(Method(f"{name}{tag}:n{total}{WIDTH_TAGS[width]}{at.get(corpus, '')}",
+                        methods.append(Method(f"{name}{tag}:n{total}{WIDTH_TAGS[width]}{corpus_tag.get(corpus, '')}",
                                               _speculative(model, assistant, {**sampling, **options}), assistant))
     budgets = list(trees) + (list(hybrid_trees) if "hybrid" in suffix else [])
     for path in drafts:
@@ -133,7 +133,7 @@ def build_methods(model, drafts: list[str], trees: list[tuple[int, int, int]], s
             for corpus, (width, width_loops) in itertools.product(
                     corpora if kind else [None], runs.items() if kind else [("fixed", loops)]):
                 assistant = draft_assistant(model, path, budget, corpus, width)
-                tree = f"{Path(path).name}:{budget_name(budget)}{WIDTH_TAGS[width]}{at.get(corpus, '')}"
+                tree = f"{Path(path).name}:{budget_name(budget)}{WIDTH_TAGS[width]}{corpus_tag.get(corpus, '')}"
                 for loop in width_loops:
                     tag, options = ("", {}) if loop == "eager" else ("-static", static)
                     if not assistant.draft.config.contemplate:
@@ -392,7 +392,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--suffix", default="", help="suffix-drafting methods, comma-separated: suffix (SuffixAssistant, "
                    "the sequence itself), suffix-corpus (and the corpus), hybrid (each draft with both sources)")
     p.add_argument("--suffix-corpus", nargs="+", default=[str(SHIPPED_CORPUS)],
-                   help="suffix corpus folders or Hub ids; several: each corpus method once per corpus (@<folder name>)")
+                   help="suffix corpus folders or Hub ids; several: each corpus method once per corpus (@<folder name>; "
+                        "--auto-tree calibrates with the first)")
     p.add_argument("--suffix-tokens", default=str(DEFAULT_TOTAL_TOKENS),
                    help="SuffixAssistant: nodes verified per round (root included), comma-separated widths")
     p.add_argument("--hybrid-trees", default="2,1,8,6",
