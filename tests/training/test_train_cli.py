@@ -10,7 +10,9 @@ from conftest import chat_tokenizer, tiny_target
 
 from transformers_confu import ConFuAssistant
 from transformers_confu.models.hub import model_card
-from transformers_confu.training.train import cpu_bf16_problem, main, parse_args
+from transformers_confu.models.target import load_target
+from transformers_confu.training.regenerate import target_fingerprint
+from transformers_confu.training.train import cpu_bf16_problem, main, parse_args, resolve_target_dtype
 
 
 def saved_target_and_data(tmp_path, n_rows: int, extra: str = ""):
@@ -117,3 +119,36 @@ def test_bf16_on_a_cpu_without_bf16_kernels_is_warned_about(monkeypatch):
     assert cpu_bf16_problem("cuda") is None  # GPUs run bf16 natively
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True)
     assert cpu_bf16_problem("cpu") is None
+
+
+def test_target_dtype_auto_is_bfloat16_only_on_cuda_with_bf16():
+    def dtype(*extra):
+        return resolve_target_dtype(parse_args(["--output-dir", "run", "--data", "x.jsonl", *extra]))
+    assert dtype() == dtype("--bf16") == dtype("--device", "cuda") == torch.float32
+    assert dtype("--device", "cuda", "--bf16") == dtype("--target-dtype", "bfloat16") == torch.bfloat16
+    assert dtype("--device", "cuda", "--bf16", "--target-dtype", "float32") == torch.float32
+
+
+def test_a_bfloat16_target_on_a_cpu_trains_a_float32_draft(tmp_path, monkeypatch, caplog):
+    """`--target-dtype bfloat16` without `--bf16`: the target's features come in bfloat16, the draft trains
+    in float32 on them, and the result decodes losslessly behind the float32 target."""
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
+    target, tokenizer, data = saved_target_and_data(tmp_path, 8)
+    main(["--target", str(tmp_path / "target"), "--output-dir", str(tmp_path / "run"), "--data-dir", str(data),
+          "--max-length", "64", "--batch-size", "4", "--draft-vocab-size", "64", "--max-steps", "2",
+          "--ttt-steps", "2", "--warmup-steps", "1", "--target-dtype", "bfloat16"])
+    assert "leave --target-dtype bfloat16 out here" in caplog.text  # no bf16 kernels: said, then done anyway
+    record = json.loads((tmp_path / "run" / "final" / "training_record.json").read_text())
+    assert record["finished"] is True and record["args"]["target_dtype"] == "bfloat16"
+    assert 0 < float(record["metrics"]["train_loss"]) < 100
+    assistant = ConFuAssistant.from_pretrained(tmp_path / "run" / "final", target_model=target)
+    assert assistant.draft.fc.weight.dtype == torch.float32
+    (fp32_target, _), (bf16_target, _) = (load_target(str(tmp_path / "target"), torch_dtype=d)
+                                          for d in (torch.float32, torch.bfloat16))
+    assert target_fingerprint(fp32_target) == target_fingerprint(target)
+    assert target_fingerprint(bf16_target) != target_fingerprint(target)  # its answers are not the fp32 target's
+    ids = torch.tensor([tokenizer.apply_chat_template([{"role": "user", "content": "What is 2 + 3?"}],
+                                                      add_generation_prompt=True, return_dict=True)["input_ids"]])
+    ref = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=10, do_sample=False,
+                          pad_token_id=0)
+    assert torch.equal(target.generate(ids, max_new_tokens=10, do_sample=False, assistant_model=assistant), ref)
