@@ -51,7 +51,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="where the target runs (regeneration, features) and the draft trains")
     p.add_argument("--bf16", action="store_true",
                    help="bf16 mixed-precision draft training (autocast; float32 master weights); on CUDA the "
-                        "target is also loaded in bfloat16, on a CPU it stays float32 (faster on CPUs with AVX-512 or "
+                        "target is also loaded in bfloat16, on a CPU it stays float32 unless --target-dtype says otherwise (faster on CPUs with AVX-512 or "
                         "AMX; slower on AVX2-only ones, which get a warning)")
     p.add_argument("--target-dtype", choices=["auto", "float32", "bfloat16"], default="auto",
                    help="the target's dtype for regeneration and features; auto: bfloat16 on CUDA with --bf16, else "
@@ -200,22 +200,22 @@ def estimate_save_steps(args: argparse.Namespace) -> int:
     return max(10, int(args.save_minutes * rows_per_minute / (args.batch_size * args.grad_accum)))
 
 
-def cpu_bf16_problem(device: str) -> str | None:
-    """Why `--bf16` would slow training on `device`, or None: a CPU without the AVX-512 instructions oneDNN's
-    bf16 kernels need (e.g. AVX2 only) runs autocast's bf16 matmuls emulated."""
+def cpu_bf16_problem(device: str, flag: str = "--bf16") -> str | None:
+    """Why `flag` (a bfloat16 option) would slow training on `device`, or None: a CPU without the AVX-512
+    instructions oneDNN's bf16 kernels need (e.g. AVX2 only) runs bf16 matmuls emulated."""
     if torch.device(device).type != "cpu" or torch.ops.mkldnn._is_mkldnn_bf16_supported():
         return None
-    return (f"--bf16 on this CPU ({torch.backends.cpu.get_cpu_capability()}, no bf16 instructions for oneDNN): "
-            "autocast's bf16 runs emulated, 4.2x slower per step than float32 on a 2-core AVX2 EPYC "
-            "(results/train_bf16_avx2.md); leave --bf16 out here.")
+    return (f"{flag} on this CPU ({torch.backends.cpu.get_cpu_capability()}, no bf16 instructions for oneDNN): "
+            "bf16 matmuls run emulated, autocast 4.2x slower per step than float32 on a 2-core AVX2 EPYC "
+            f"(results/train_bf16_avx2.md); leave {flag} out here.")
 
 
 def resolve_target_dtype(args: argparse.Namespace) -> torch.dtype:
     """`--target-dtype` as a torch dtype; `auto` is bfloat16 on CUDA with `--bf16`, else float32."""
     if args.target_dtype == "auto":
         return torch.bfloat16 if args.bf16 and torch.device(args.device).type != "cpu" else torch.float32
-    if args.target_dtype == "bfloat16" and (problem := cpu_bf16_problem(args.device)):
-        logger.warning(problem.replace("--bf16", "--target-dtype bfloat16"))
+    if args.target_dtype == "bfloat16" and (problem := cpu_bf16_problem(args.device, "--target-dtype bfloat16")):
+        logger.warning(problem)
     return getattr(torch, args.target_dtype)
 
 

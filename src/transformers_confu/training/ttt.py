@@ -51,7 +51,8 @@ def target_hidden(
     `feature_layers` (indices into the `hidden_states` tuple) and (B, T, H) the final (normed) hidden state,
     from which `teacher_logits` and `target_argmax` read the target's distribution. `cache`: a
     `DynamicCache` to fill with the real tokens' keys and values (ConFu's `[con]` pass reads it). Computed in
-    the target's own dtype also under mixed precision: the features the draft will see when decoding."""
+    the target's own dtype also under mixed precision: the features the draft will see when decoding (unless the
+    target was loaded in another dtype than it decodes in, as `confu-train --target-dtype bfloat16` does)."""
     with torch.no_grad(), torch.autocast(input_ids.device.type, enabled=False):
         kwargs = {} if cache is None else cache_kwargs(target.base_model, cache)
         out = target.base_model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True,
