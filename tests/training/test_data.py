@@ -6,12 +6,13 @@ import datasets
 import pandas as pd
 import pytest
 import torch
-from conftest import chat_tokenizer
+from conftest import chat_tokenizer, tiny_target
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from transformers_confu.training.data import (
     DataCollatorForDraft,
     build_draft_vocab,
+    remap_draft_vocab,
     tokenize_conversations,
 )
 from transformers_confu.training.data_sources import find_sources, load_conversations
@@ -254,6 +255,34 @@ def test_build_draft_vocab():
     assert build_draft_vocab(filtered, 2, 10).tolist() == [5, 8]
     with pytest.raises(ValueError):
         build_draft_vocab(ds, 11, 10)
+
+
+def test_remap_draft_vocab_keeps_trained_rows_and_maps_new_ones():
+    """Kept tokens keep their head rows (moved to their new draft ids, so their logits are unchanged); a new
+    token's row comes from the target's row through the linear map the kept rows follow."""
+    from transformers_confu.models.configuration_confu import ConFuDraftConfig
+    from transformers_confu.models.modeling_confu import ConFuDraftModel
+
+    target = tiny_target(vocab_size=128)
+    draft = ConFuDraftModel(ConFuDraftConfig.for_target(target, draft_vocab_size=64))
+    draft.set_vocab_map(torch.arange(1, 128, 2))
+    rows = target.get_output_embeddings().weight.detach()
+    mapping = torch.randn(rows.shape[1], rows.shape[1], generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        draft.lm_head.weight.copy_(rows[draft.d2t] @ mapping)
+    hidden = torch.randn(3, rows.shape[1])
+    before = dict(zip(draft.d2t.tolist(), draft.logits(hidden).T))
+    new_vocab = torch.tensor(sorted(range(0, 32, 2)) + list(range(33, 128, 2)))  # 16 new tokens, 48 kept
+    assert remap_draft_vocab(draft, new_vocab, target, ridge=1e-6) == 16
+    assert draft.d2t.tolist() == new_vocab.tolist() and draft.t2d.sum() == 64
+    after = dict(zip(draft.d2t.tolist(), draft.logits(hidden).T))
+    for token in range(33, 128, 2):
+        assert torch.equal(after[token], before[token])
+    position = {token: i for i, token in enumerate(draft.d2t.tolist())}
+    new = list(range(0, 32, 2))
+    assert torch.allclose(draft.lm_head.weight[[position[t] for t in new]], rows[new] @ mapping, atol=1e-3)
+    with pytest.raises(ValueError, match="Expected 64 target ids"):
+        remap_draft_vocab(draft, new_vocab[:10], target)
 
 
 def test_collator_right_pads():

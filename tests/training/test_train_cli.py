@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -152,3 +153,32 @@ def test_a_bfloat16_target_on_a_cpu_trains_a_float32_draft(tmp_path, monkeypatch
     ref = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=10, do_sample=False,
                           pad_token_id=0)
     assert torch.equal(target.generate(ids, max_new_tokens=10, do_sample=False, assistant_model=assistant), ref)
+
+
+def test_recount_vocab_counts_the_new_data(tmp_path, caplog):
+    """`--init-from D --recount-vocab` re-counts D's vocabulary on the new data: its coverage of the new
+    answers goes up, and the result still decodes losslessly; without `--init-from` the flag is refused."""
+    target, tokenizer, data = saved_target_and_data(tmp_path, 8)
+    other = tmp_path / "other"
+    other.mkdir()
+    rows = [dict(question=f"Name colour {i}.", answer=f"Colour {i} is {c}.") for i, c in
+            enumerate(["violet", "yellow", "crimson", "magenta", "turquoise", "brown"] * 2)]
+    (other / "gsm8k_train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    common = ["--target", str(tmp_path / "target"), "--max-length", "64", "--batch-size", "4",
+              "--draft-vocab-size", "24", "--ttt-steps", "2", "--warmup-steps", "1", "--max-steps", "2"]
+    main(common + ["--output-dir", str(tmp_path / "first"), "--data-dir", str(data)])
+    with caplog.at_level("INFO", logger="transformers_confu.training.train"):
+        main(common + ["--output-dir", str(tmp_path / "second"), "--data-dir", str(other),
+                       "--init-from", str(tmp_path / "first" / "final"), "--recount-vocab"])
+    before, after = (float(x) for x in re.search(r"coverage of the training answers ([\d.]+)% -> ([\d.]+)%",
+                                                 caplog.text).groups())
+    record = json.loads((tmp_path / "second" / "final" / "training_record.json").read_text())
+    assert before < after == pytest.approx(100 * record["vocab_coverage"], abs=0.01)
+    assistant = ConFuAssistant.from_pretrained(tmp_path / "second" / "final", target_model=target)
+    ids = torch.tensor([tokenizer.apply_chat_template([{"role": "user", "content": "Name colour 3."}],
+                                                      add_generation_prompt=True, return_dict=True)["input_ids"]])
+    ref = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=10, do_sample=False,
+                          pad_token_id=0)
+    assert torch.equal(target.generate(ids, max_new_tokens=10, do_sample=False, assistant_model=assistant), ref)
+    with pytest.raises(SystemExit):
+        parse_args(["--output-dir", "x", "--data-dir", str(data), "--recount-vocab"])

@@ -32,6 +32,7 @@ from .answers_dataset import dataset_answers
 from .data import (
     DataCollatorForDraft,
     build_draft_vocab,
+    remap_draft_vocab,
     tokenize_conversations,
     vocab_coverage,
 )
@@ -88,6 +89,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="EAGLE-3: keep the target's features here (built once, resumable); epochs then run the draft only")
     p.add_argument("--feature-cache-minutes", type=float, default=None, help="time box of the feature-cache build")
     p.add_argument("--init-from", default=None, help="start from this draft instead of a random one")
+    p.add_argument("--recount-vocab", action="store_true",
+                   help="with --init-from: count the draft vocabulary again on the training data (the tokens "
+                        "the draft keeps keep their trained head rows; new ones start from the target's)")
     p.add_argument("--contemplate", action="store_true",
                    help="train a ConFu draft (future token, soft prompt, [con] MoE), e.g. from an EAGLE-3 --init-from")
     p.add_argument("--soft-tokens", type=int, default=16, help="ConFu: soft-prompt length")
@@ -134,6 +138,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if not (args.data or args.data_dir):
         p.error(f"no training data given: {HOW_TO_PASS}")
+    if args.recount_vocab and not args.init_from:
+        p.error("--recount-vocab re-counts the vocabulary of an --init-from draft; a fresh draft counts its own.")
     return args
 
 
@@ -167,6 +173,12 @@ def build_draft(args: argparse.Namespace, target, dataset) -> tuple[ConFuDraftMo
         confu["future_logit_weight"] = 0.5 if args.future_logit_weight is None else args.future_logit_weight
     if args.init_from:
         draft = ConFuDraftModel.from_pretrained(args.init_from, dtype=torch.float32, **confu)
+        if args.recount_vocab:
+            before = vocab_coverage(dataset, draft.d2t)
+            vocab = build_draft_vocab(dataset, draft.config.draft_vocab_size, draft.config.vocab_size)
+            added = remap_draft_vocab(draft, vocab, target)
+            logger.info("--recount-vocab: %d new draft tokens; coverage of the training answers %.2f%% -> %.2f%%",
+                        added, 100 * before, 100 * vocab_coverage(dataset, draft.d2t))
     else:
         depth, top_k, total = (int(x) for x in args.tree.split(","))
         config = ConFuDraftConfig.for_target(target, draft_vocab_size=args.draft_vocab_size, tree_depth=depth,
