@@ -174,3 +174,19 @@ def test_model_card_describes_the_suffix_corpus_beside_a_draft(tmp_path):
     assert f"{corpus['documents']:,} of the target's own answers" in section
     assert f"{corpus['hybrid']['total_tokens']} nodes, up to {corpus['hybrid']['suffix_nodes']} of them" in section
     assert section in (CONFU_DRAFT / "README.md").read_text()  # the shipped card is up to date
+
+
+def test_model_card_header_lists_hub_datasets_only_when_there_are_some(saved):
+    """A draft trained on local data (e.g. the answers dataset folder) gets no empty `datasets:` key; one trained
+    on a known Hub dataset's file lists it."""
+    import yaml
+
+    from transformers_confu.models.hub import model_card
+
+    tmp_path, _ = saved
+    headers = {}
+    for data in (["data/smollm2-135m-instruct-answers"], ["../shared/data/train/gsm8k_train.jsonl"]):
+        (tmp_path / "draft" / "training_record.json").write_text(json.dumps({"args": {"data": data}}))
+        headers[data[0]] = yaml.safe_load(model_card(tmp_path / "draft", "tiny").split("---")[1])
+    assert "datasets" not in headers["data/smollm2-135m-instruct-answers"]
+    assert headers["../shared/data/train/gsm8k_train.jsonl"]["datasets"] == ["openai/gsm8k"]

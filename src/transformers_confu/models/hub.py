@@ -44,8 +44,9 @@ def model_card(draft_dir: str | Path, base_model: str, bench: dict | None = None
     mode = "ConFu" if config.get("contemplate") else "EAGLE-3"
     files = [Path(source).name for source in args.get("data") or []] + list(args.get("files") or []) or list(_DATASETS)
     header = ["---", "library_name: transformers-confu", f"base_model: {base_model}", "license: apache-2.0",
-              "tags:", "- speculative-decoding", f"- {mode.lower()}", "datasets:"]
-    header += [f"- {d}" for d in sorted({_DATASETS[f] for f in files if f in _DATASETS})] + ["---", ""]
+              "tags:", "- speculative-decoding", f"- {mode.lower()}"]
+    hub_datasets = sorted({_DATASETS[f] for f in files if f in _DATASETS})
+    header += (["datasets:"] + [f"- {d}" for d in hub_datasets] if hub_datasets else []) + ["---", ""]
     lines = [
         f"# {mode} draft head for {base_model}", "",
         f"A one-layer {mode} draft head for speculative decoding of `{base_model}` with "
