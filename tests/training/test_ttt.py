@@ -10,11 +10,11 @@ from transformers import DynamicCache, PreTrainedModel
 from transformers_confu import ConFuDraftConfig, ConFuDraftModel
 from transformers_confu.training.ttt import (
     shift_left,
-    soft_cross_entropy,
     target_features_and_logits,
     ttt_attention_mask,
     ttt_hidden_states,
     ttt_loss,
+    ttt_teacher,
     ttt_valid_positions,
 )
 
@@ -88,11 +88,34 @@ def test_one_step_loss_is_plain_soft_cross_entropy(setup):
     for b in range(ids.shape[0]):
         for t in range(LENGTH - 2):
             if loss_mask[b, t + 2]:
-                ces.append(soft_cross_entropy(logits[b, t : t + 1], target_logits[b, t + 1 : t + 2]))
+                teacher = target_logits[b, t + 1].softmax(dim=-1)
+                ces.append(-(teacher * logits[b, t].log_softmax(dim=-1)).sum()[None])
                 correct.append(logits[b, t].argmax() == target_logits[b, t + 1].argmax())
     torch.testing.assert_close(loss, torch.cat(ces).mean())
     torch.testing.assert_close(metrics["acc_0"], torch.stack(correct).float().mean())
     assert metrics["count_0"] == len(ces)
+
+
+def test_teacher_is_shared_by_every_step_where_it_reads():
+    """`ttt_teacher` holds, for each step's positions (padding and prompt tokens included in the batch), the
+    softmax and greedy token of the target's logits one step further on."""
+    generator = torch.Generator().manual_seed(3)
+    logits = torch.randn(3, 10, DRAFT_VOCAB, generator=generator).bfloat16()
+    logits[0, :, 5] = logits[0].max()  # ties: the greedy token is the first best one, as argmax says
+    attention_mask = torch.ones(3, 10, dtype=torch.long)
+    attention_mask[1, 7:] = 0
+    loss_mask = torch.zeros(3, 10, dtype=torch.long)
+    loss_mask[:, 3:] = 1
+    loss_mask[2] = 0
+    teacher = ttt_teacher(logits, loss_mask, attention_mask)
+    for step in range(4):
+        rows, cols = ttt_valid_positions(attention_mask, loss_mask, step).nonzero(as_tuple=True)
+        slot = teacher.slot[rows, cols + 1 + step]
+        assert (slot >= 0).all()
+        torch.testing.assert_close(teacher.probs[slot], logits[rows, cols + 1 + step].float().softmax(-1))
+        assert torch.equal(teacher.ids[slot], logits[rows, cols + 1 + step].argmax(-1))
+    assert (teacher.slot[2] == -1).all()  # a row with nothing trained reads no teacher
+    assert len(teacher.probs) == int((teacher.slot >= 0).sum())
 
 
 def test_steps_are_weighted_by_decay(setup):
@@ -177,6 +200,26 @@ def test_own_key_blocks_match_sdpa_over_the_full_mask(setup):
     assert fast_grads.keys() == reference_grads.keys() and "self_attn.q_proj.weight" in fast_grads
     for name in fast_grads:
         torch.testing.assert_close(fast_grads[name], reference_grads[name], atol=1e-4, rtol=1e-3, msg=name)
+
+
+def test_own_key_blocks_under_bfloat16_autocast_match_float32(setup):
+    """Mixed-precision training (`--bf16`) takes the same fused path in bfloat16: hidden states and gradients
+    stay within bfloat16 rounding of the float32 ones."""
+    _, draft, batch, features, _ = setup
+    weights = [torch.randn(2, LENGTH, draft.config.hidden_size, generator=torch.Generator().manual_seed(s))
+               for s in range(4)]
+
+    def run(autocast: bool):
+        draft.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            hidden = ttt_hidden_states(draft, features, batch["input_ids"], batch["attention_mask"], 4)
+        sum((h.float() * w).sum() for h, w in zip(hidden, weights)).backward()
+        return [h.float() for h in hidden], draft.self_attn.q_proj.weight.grad.clone()
+
+    (low, low_grad), (full, full_grad) = run(True), run(False)
+    for a, b in zip(low, full):
+        torch.testing.assert_close(a, b, atol=0.1, rtol=0.05)
+    assert torch.nn.functional.cosine_similarity(low_grad.flatten(), full_grad.flatten(), dim=0) > 0.99
 
 
 def test_chain_ignores_other_chains_keys(setup):

@@ -19,6 +19,7 @@ import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from ..utils.cache import cache_kwargs, full_attention, growing_cache
+from ..utils.greedy import greedy_ids
 
 
 class _Batch:
@@ -106,7 +107,7 @@ def next_tokens(logits: torch.Tensor, temperature: float, top_p: float,
     """Greedy tokens (`temperature` 0), or tokens sampled at `temperature` from the `top_p` nucleus, one
     generator per row (so that a row's sample does not depend on the other rows of the batch)."""
     if temperature <= 0:
-        return logits.argmax(dim=-1).cpu()
+        return greedy_ids(logits).cpu()
     probs = torch.softmax(logits.float() / temperature, dim=-1).cpu()
     if top_p < 1.0:
         sorted_probs, order = probs.sort(dim=-1, descending=True)

@@ -26,6 +26,7 @@ from torch import nn
 from transformers import DynamicCache, PreTrainedModel
 
 from ..utils.cache import cache_kwargs
+from ..utils.greedy import greedy_ids
 from ..utils.masks import to_additive
 
 
@@ -83,7 +84,7 @@ def target_argmax(target: PreTrainedModel, last_hidden: torch.Tensor, chunk: int
     head: nn.Linear = target.get_output_embeddings()
     flat = last_hidden.reshape(-1, last_hidden.shape[-1]).to(head.weight.dtype)
     with torch.no_grad(), torch.autocast(last_hidden.device.type, enabled=False):
-        ids = [head(flat[i : i + chunk]).argmax(dim=-1) for i in range(0, len(flat), chunk)]
+        ids = [greedy_ids(head(flat[i : i + chunk])) for i in range(0, len(flat), chunk)]
     return torch.cat(ids).reshape(last_hidden.shape[:-1]) if ids else flat.new_zeros(last_hidden.shape[:-1], dtype=torch.long)
 
 
@@ -179,10 +180,25 @@ def ttt_valid_positions(attention_mask: torch.Tensor, loss_mask: torch.Tensor, s
     return (teacher_is_real * target_is_trained).bool()
 
 
-def soft_cross_entropy(logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
-    """(N, D), (N, D) -> (N,): cross-entropy of softmax(logits) against softmax(teacher_logits), in fp32."""
-    teacher = teacher_logits.float().softmax(dim=-1)
-    return -(teacher * logits.float().log_softmax(dim=-1)).sum(dim=-1)
+class Teacher(NamedTuple):
+    """The teacher of every TTT step, computed once: `probs` (N, D) the fp32 softmax of the target's
+    draft-vocabulary logits and `ids` (N,) their greedy token, at the N positions some step reads; `slot`
+    (B, T) the row of position (b, s) in them (-1 where no step reads it)."""
+
+    probs: torch.Tensor
+    ids: torch.LongTensor
+    slot: torch.LongTensor
+
+
+def ttt_teacher(target_logits: torch.Tensor, loss_mask: torch.Tensor, attention_mask: torch.Tensor) -> Teacher:
+    """(B, T, D) logits -> `Teacher` at the positions s with a real token whose next token is trained: step i
+    reads s = t + 1 + i for each of its positions t (`ttt_valid_positions`), so every step shares one softmax
+    instead of taking its own."""
+    read = (shift_left(attention_mask * loss_mask, 1) * attention_mask).bool()
+    slot = torch.full(read.shape, -1, dtype=torch.long, device=read.device)
+    slot[read] = torch.arange(int(read.sum()), device=read.device)
+    logits = target_logits[read]
+    return Teacher(logits.float().softmax(dim=-1), greedy_ids(logits), slot)
 
 
 def ttt_loss(
@@ -217,22 +233,24 @@ def ttt_loss(
     """
     head = _unwrap(draft)
     hidden_states = ttt_hidden_states(draft, features, input_ids, attention_mask, steps, future)
+    teacher = ttt_teacher(target_logits, loss_mask, attention_mask)
     loss = torch.zeros((), device=features.device)
     metrics: dict[str, torch.Tensor] = {}
     for step, hidden in enumerate(hidden_states):
         rows, cols = ttt_valid_positions(attention_mask, loss_mask, step).nonzero(as_tuple=True)
         logits = head.logits(hidden[rows, cols]).float()  # the LM head only where there is a loss
-        teacher = target_logits[rows, cols + 1 + step]
+        slot = teacher.slot[rows, cols + 1 + step]
         count = max(len(rows), 1)
-        step_loss = soft_cross_entropy(logits, teacher).sum() / count
+        step_loss = F.cross_entropy(logits, teacher.probs[slot], reduction="sum") / count  # soft labels
         loss = loss + decay**step * step_loss
-        correct = (logits.argmax(dim=-1) == teacher.argmax(dim=-1)).sum()
+        drafted = greedy_ids(logits.detach())
+        correct = (drafted == teacher.ids[slot]).sum()
         metrics[f"loss_{step}"] = step_loss.detach()
         metrics[f"acc_{step}"] = correct.float() / count
         metrics[f"count_{step}"] = torch.tensor(len(rows), device=features.device)
         if target_ids is not None:
-            drafted = head.d2t[logits.argmax(dim=-1)]
-            metrics[f"full_acc_{step}"] = (drafted == target_ids[rows, cols + 1 + step]).sum().float() / count
+            full = head.d2t[drafted] == target_ids[rows, cols + 1 + step]
+            metrics[f"full_acc_{step}"] = full.sum().float() / count
     return loss, metrics
 
 
