@@ -5,6 +5,8 @@ greedy token over its full vocabulary, on conversations [dev question, the targe
 answers a `confu-bench` run wrote for plain `generate`). At T=0 the first drafted token is accepted exactly
 when the depth-0 prediction is right, so this predicts tau without decoding, in seconds per draft; it also
 separates a weak draft (low accuracy here) from an inference bug (high accuracy here, low tau in the bench).
+`--answers` also takes a parquet shard of the answers dataset (`--rows N`: the first N after a seeded
+shuffle), e.g. the newest shard, which no draft trained before it was appended has seen.
 `--by-confidence` also splits the depth-0 accuracy by the target's own top-1 probability at the predicted
 token: how much of the gap is positions where the target itself hesitates.
 
@@ -49,6 +51,14 @@ def dev_rows(answers: str, tokenizer) -> list[dict]:
     return [tokenized[i] for i in range(len(tokenized))]
 
 
+def shard_rows(shard: str | list[str], tokenizer, count: int | None) -> list[dict]:
+    """Tokenized conversations from a parquet shard of the answers dataset: `count` rows of a seeded shuffle."""
+    table = datasets.load_dataset("parquet", data_files=shard, split="train").shuffle(seed=0)
+    table = table.select(range(min(count or len(table), len(table)))).select_columns(["messages"])
+    tokenized = tokenize_conversations(table, tokenizer, max_length=768)
+    return [tokenized[i] for i in range(len(tokenized))]
+
+
 @torch.no_grad()
 def target_passes(target, rows: list[dict], feature_layers: list[int], batch_size: int = 8) -> list[dict]:
     """The target's pass over `rows` in batches, once for all drafts: the batch, its fused features, the scored
@@ -82,7 +92,9 @@ def accuracy_by_confidence(draft, passes: list[dict]) -> list[dict]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--answers", required=True, help="a confu-bench answer file of plain generate (generate.jsonl)")
+    p.add_argument("--answers", required=True,
+                   help="a confu-bench answer file of plain generate (generate.jsonl), or a parquet shard of answers")
+    p.add_argument("--rows", type=int, default=None, help="with a parquet shard: score this many of its rows")
     p.add_argument("--drafts", nargs="+", required=True)
     p.add_argument("--steps", type=int, default=3, help="TTT depths scored")
     p.add_argument("--by-confidence", action="store_true",
@@ -90,7 +102,10 @@ def main() -> None:
     p.add_argument("--out", default=None, help="also write OUT.json")
     args = p.parse_args()
     target, tokenizer = load_target()
-    rows = dev_rows(args.answers, tokenizer)
+    if args.answers.endswith(".parquet"):
+        rows = shard_rows(args.answers, tokenizer, args.rows)
+    else:
+        rows = dev_rows(args.answers, tokenizer)
     results, passes = {}, {}  # passes: the target's, per feature-layer set
     for path in args.drafts:
         draft = ConFuDraftModel.from_pretrained(path, dtype=torch.float32)
