@@ -102,8 +102,10 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_prompt_arguments(p, count=128)
     p.add_argument("--ways", nargs="+", default=["generate:32", "refill:32", "refill:64"])
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="the target's dtype (the dataset's answers are float32: bfloat16 answers differ from them)")
     args = p.parse_args()
-    model, tokenizer = load_target()
+    model, tokenizer = load_target(torch_dtype=getattr(torch, args.dtype))
     recorded = read_responses(Path(args.answers) / "responses.jsonl")
     prompts, kept = recorded_prompts(tokenizer, args.prompts, recorded, args.count, args.max_prompt_tokens, args.seed)
     eos = [model.generation_config.eos_token_id]
@@ -113,7 +115,7 @@ def main() -> None:
     command = f"OMP_NUM_THREADS={torch.get_num_threads()} python examples/experiments/bench_regeneration.py " + " ".join(
         f"--{k.replace('_', '-')} {' '.join(v) if isinstance(v, list) else v}" for k, v in vars(args).items())
     record = {"command": command, "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
-              "threads": torch.get_num_threads(), "target": target_fingerprint(model), "prompts": len(prompts),
+              "threads": torch.get_num_threads(), "dtype": args.dtype, "target": target_fingerprint(model), "prompts": len(prompts),
               "prompts_by_kind": kinds,
               "results": {"prefill": prefill_rate(model, prompts, 32)}}
     print("prefill", record["results"]["prefill"], flush=True)
@@ -131,7 +133,7 @@ def main() -> None:
 def write_results(record: dict, args: argparse.Namespace) -> None:
     results = record["results"]
     Path(args.out + ".json").write_text(json.dumps(record, indent=2))
-    setup = (f"{record['machine']}, {record['threads']} threads, fp32, greedy, {args.max_new_tokens} new tokens; "
+    setup = (f"{record['machine']}, {record['threads']} threads, {record.get('dtype', 'float32')}, greedy, {args.max_new_tokens} new tokens; "
              f"{record['prompts']} prompts already answered in {args.answers} "
              f"({record['prompts_by_kind']}); every row measured in the same run.\n")
     lines = [f"# Regeneration throughput\n\n`{record['command']}`\n", setup,
