@@ -115,7 +115,8 @@ def main() -> None:
     command = f"OMP_NUM_THREADS={torch.get_num_threads()} python examples/experiments/bench_regeneration.py " + " ".join(
         f"--{k.replace('_', '-')} {' '.join(v) if isinstance(v, list) else v}" for k, v in vars(args).items())
     record = {"command": command, "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
-              "threads": torch.get_num_threads(), "dtype": args.dtype, "target": target_fingerprint(model), "prompts": len(prompts),
+              "threads": torch.get_num_threads(), "dtype": args.dtype, "target": target_fingerprint(model),
+              "prompts": len(prompts),
               "prompts_by_kind": kinds,
               "results": {"prefill": prefill_rate(model, prompts, 32)}}
     print("prefill", record["results"]["prefill"], flush=True)
@@ -133,7 +134,8 @@ def main() -> None:
 def write_results(record: dict, args: argparse.Namespace) -> None:
     results = record["results"]
     Path(args.out + ".json").write_text(json.dumps(record, indent=2))
-    setup = (f"{record['machine']}, {record['threads']} threads, {record.get('dtype', 'float32')}, greedy, {args.max_new_tokens} new tokens; "
+    setup = (f"{record['machine']}, {record['threads']} threads, {record['dtype']}, greedy, "
+             f"{args.max_new_tokens} new tokens; "
              f"{record['prompts']} prompts already answered in {args.answers} "
              f"({record['prompts_by_kind']}); every row measured in the same run.\n")
     lines = [f"# Regeneration throughput\n\n`{record['command']}`\n", setup,
