@@ -295,6 +295,16 @@ def test_collator_right_pads():
     assert all(t.dtype == torch.long for t in batch.values())
 
 
+def test_collator_pads_to_a_multiple():
+    rows = [{"input_ids": [5, 6, 7, 8, 9], "loss_mask": [0, 1, 1, 1, 1]}, {"input_ids": [8], "loss_mask": [1]}]
+    batch = DataCollatorForDraft(pad_token_id=0, pad_to_multiple_of=4)(rows)
+    assert batch["input_ids"].tolist() == [[5, 6, 7, 8, 9, 0, 0, 0], [8] + [0] * 7]
+    assert batch["attention_mask"].sum(1).tolist() == [5, 1] and batch["loss_mask"].sum().item() == 5
+    assert DataCollatorForDraft(0, pad_to_multiple_of=5)(rows)["input_ids"].shape == (2, 5)
+    with pytest.raises(ValueError, match="pad_to_multiple_of must be >= 1"):
+        DataCollatorForDraft(0, pad_to_multiple_of=0)
+
+
 def _tiny_chat_model(tokenizer):
     torch.manual_seed(0)
     config = LlamaConfig(

@@ -317,6 +317,25 @@ def test_padding_is_ignored(setup):
         torch.testing.assert_close(hidden[step][1:, :real], hidden_alone[step][:, :real], atol=1e-5, rtol=1e-4)
 
 
+def test_padding_to_a_multiple_leaves_the_loss_unchanged(setup):
+    """The collator's `pad_to_multiple_of` only adds masked positions: the same loss and metrics."""
+    from transformers_confu.training.data import DataCollatorForDraft
+
+    target, draft, batch, _, _ = setup
+    rows = [{"input_ids": batch["input_ids"][i, : LENGTH - 3 * i].tolist(),
+             "loss_mask": batch["loss_mask"][i, : LENGTH - 3 * i].tolist()} for i in range(2)]
+    results = []
+    for multiple in (1, 16):
+        padded = DataCollatorForDraft(0, pad_to_multiple_of=multiple)(rows)
+        assert padded["input_ids"].shape[1] == (LENGTH if multiple == 1 else 16)
+        features, logits = target_features_and_logits(
+            target, padded["input_ids"], padded["attention_mask"], draft.config.feature_layers, draft.d2t
+        )
+        results.append(ttt_loss(draft, features, logits, **padded, steps=3))
+    torch.testing.assert_close(results[1][0], results[0][0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(results[1][1], results[0][1], atol=1e-5, rtol=1e-5)
+
+
 def test_loss_has_gradients_only_for_the_draft(setup):
     target, draft, batch, features, target_logits = setup
     loss, _ = ttt_loss(draft, features, target_logits, **batch)

@@ -141,13 +141,19 @@ def vocab_coverage(dataset: datasets.Dataset, draft_to_target: torch.Tensor) -> 
 
 class DataCollatorForDraft:
     """Right-pad rows of `input_ids` and `loss_mask` into LongTensors, adding `attention_mask`; cached target
-    outputs (`features`, `last_hidden`: (T, width) arrays, `target_ids`), when present, are padded with zeros."""
+    outputs (`features`, `last_hidden`: (T, width) arrays, `target_ids`), when present, are padded with zeros.
+    The padded length is rounded up to `pad_to_multiple_of`: fewer distinct shapes, and aligned ones, run the
+    CPU's bfloat16 matrix kernels faster (results/train_step_padding.md)."""
 
-    def __init__(self, pad_token_id: int):
+    def __init__(self, pad_token_id: int, pad_to_multiple_of: int = 1):
+        if pad_to_multiple_of < 1:
+            raise ValueError(f"pad_to_multiple_of must be >= 1, got {pad_to_multiple_of}")
         self.pad_token_id = pad_token_id
+        self.pad_to_multiple_of = pad_to_multiple_of
 
     def __call__(self, rows: list[dict]) -> dict[str, torch.Tensor]:
         length = max(len(row["input_ids"]) for row in rows)
+        length = -(-length // self.pad_to_multiple_of) * self.pad_to_multiple_of
         batch = {
             "input_ids": torch.full((len(rows), length), self.pad_token_id, dtype=torch.long),
             "loss_mask": torch.zeros((len(rows), length), dtype=torch.long),
