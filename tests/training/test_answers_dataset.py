@@ -42,6 +42,7 @@ def test_append_read_reuse_and_refuse(tmp_path):
     assert card["sources"]["gsm8k_train.jsonl"]["license"] == "MIT"
     assert card["regeneration"] == asdict(regeneration_settings(target, max_new_tokens=5))
     assert set(card["mb_per_million_answer_tokens"]) == {"text", "token_ids"}
+    assert 'download_mode="force_redownload"' in (folder / "README.md").read_text()  # the card warns of the cache
     # a cache of its own: datasets keys a local folder's cache by its name, not by its shards
     rows = datasets.load_dataset(str(folder), split="train", cache_dir=str(tmp_path / "hf"))
     assert len(rows) == 7 and sum(rows["answer_tokens"]) == card["answer_tokens"]

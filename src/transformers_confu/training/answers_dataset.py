@@ -203,7 +203,9 @@ def write_card(folder: str | Path, settings: dict, tokenizer) -> None:
                  "ids. The text round-trips through the target's tokenizer (checked for every row).")
     made = ("Prompts are built by `transformers_confu.training.prompt_pool` (no Spec-Bench dev or held-out text); "
             "answers made by `confu-train --regenerate` and appended with `python -m "
-            "transformers_confu.training.answers_dataset`. Each prompt keeps its source's licence.")
+            "transformers_confu.training.answers_dataset`. Each prompt keeps its source's licence. After an append, "
+            "read it with `datasets.load_dataset(folder, split=\"train\", download_mode=\"force_redownload\")`: "
+            "the `datasets` cache of a local folder does not see added shards.")
     lines = ["---", yaml.safe_dump(meta, sort_keys=False, allow_unicode=True).rstrip(), "---", "",
              f"# {meta['pretty_name']}", "", intro, "", size, "", "| kind | rows | answer tokens |", "|---|---|---|"]
     lines += [f"| {k} | {c['rows']:,} | {c['answer_tokens']:,} |" for k, c in kinds.items()]
