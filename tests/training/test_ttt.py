@@ -8,6 +8,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from transformers_confu import ConFuDraftConfig, ConFuDraftModel
+from transformers_confu.training.data import DataCollatorForDraft
 from transformers_confu.training.ttt import (
     shift_left,
     target_features_and_logits,
@@ -319,8 +320,6 @@ def test_padding_is_ignored(setup):
 
 def test_padding_to_a_multiple_leaves_the_loss_unchanged(setup):
     """The collator's `pad_to_multiple_of` only adds masked positions: the same loss and metrics."""
-    from transformers_confu.training.data import DataCollatorForDraft
-
     target, draft, batch, _, _ = setup
     rows = [{"input_ids": batch["input_ids"][i, : LENGTH - 3 * i].tolist(),
              "loss_mask": batch["loss_mask"][i, : LENGTH - 3 * i].tolist()} for i in range(2)]
