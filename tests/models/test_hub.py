@@ -190,3 +190,24 @@ def test_model_card_header_lists_hub_datasets_only_when_there_are_some(saved):
         headers[data[0]] = yaml.safe_load(model_card(tmp_path / "draft", "tiny").split("---")[1])
     assert "datasets" not in headers["data/smollm2-135m-instruct-answers"]
     assert headers["../shared/data/train/gsm8k_train.jsonl"]["datasets"] == ["openai/gsm8k"]
+
+
+def test_model_card_writes_numbered_shards_as_a_brace_expression_the_shell_expands_back(saved):
+    """A draft trained on shards 0-19 and 21-26 (shard 20 held out) gets one short `--data` word that expands back
+    into the same files in the same order (a file given again out of order stays where it was)."""
+    from transformers_confu.models.hub import model_card
+
+    tmp_path, _ = saved
+    shards = [f"data/answers/data/train-{i:05d}.parquet" for i in range(27) if i != 20]
+    other = ["runs/self_prompts.jsonl", "runs/self_prompts_s1.jsonl", "data/answers/data/train-00002.parquet"]
+    record = {"args": {"data": other[:1] + shards + other[1:], "seed": 3}, "global_step": 1}
+    (tmp_path / "draft" / "training_record.json").write_text(json.dumps(record))
+    card = model_card(tmp_path / "draft", "tiny")
+    brace = "data/answers/data/train-{{00000..00019},{00021..00026}}.parquet"
+    assert f"- data: runs/self_prompts.jsonl {brace} {' '.join(other[1:])} (" in card
+    command = next(line for line in card.splitlines() if line.startswith("- command: `"))[len("- command: `"):-1]
+    assert f"--data runs/self_prompts.jsonl {brace} {' '.join(other[1:])} --seed 3" in command
+    words = subprocess.run(["bash", "-c", f"printf '%s\\n' {command}"], capture_output=True, text=True,
+                           check=True).stdout.split()
+    assert words[:2] == ["confu-train", "--data"]
+    assert words[2:words.index("--seed")] == record["args"]["data"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 from .contemplate import ADAPTER_FOLDER
@@ -42,7 +43,8 @@ def model_card(draft_dir: str | Path, base_model: str, bench: dict | None = None
     record = json.loads(record_path.read_text()) if record_path.is_file() else {}
     args = record.get("args", {})
     mode = "ConFu" if config.get("contemplate") else "EAGLE-3"
-    files = [Path(source).name for source in args.get("data") or []] + list(args.get("files") or []) or list(_DATASETS)
+    sources = [str(source) for source in args.get("data") or []] + list(args.get("files") or []) or list(_DATASETS)
+    files = [Path(source).name for source in sources]
     header = ["---", "library_name: transformers-confu", f"base_model: {base_model}", "license: apache-2.0",
               "tags:", "- speculative-decoding", f"- {mode.lower()}"]
     hub_datasets = sorted({_DATASETS[f] for f in files if f in _DATASETS})
@@ -82,7 +84,8 @@ def model_card(draft_dir: str | Path, base_model: str, bench: dict | None = None
     if record:
         logs = record.get("last_logs") or [{}]
         lines += ["## Training", "",
-                  f"- data: {', '.join(files)} (chat-formatted, loss on assistant tokens), "
+                  f"- data: {' '.join(brace_numbered(sources))} (chat-formatted, loss on "
+                  "assistant tokens), "
                   f"{args.get('max_samples') or 'all'} conversations, max length {args.get('max_length')}",
                   f"- TTT steps {args.get('ttt_steps')}, lr {args.get('lr')}, batch {args.get('batch_size')}, "
                   f"steps {record.get('global_step')} of {record.get('max_steps')}, "
@@ -135,5 +138,36 @@ def _cli(args: dict) -> list[str]:
         if value is None or value is False:
             continue
         flag = "--" + key.replace("_", "-")
-        out += [flag] if value is True else [flag, " ".join(map(str, value)) if isinstance(value, list) else str(value)]
+        if isinstance(value, list):
+            value = " ".join(brace_numbered(list(map(str, value))) if key == "data" else map(str, value))
+        out += [flag] if value is True else [flag, str(value)]
+    return out
+
+
+def brace_numbered(paths: list[str]) -> list[str]:
+    """Paths with each stretch of numbered files in one pattern and ascending order written as a bash brace
+    expression that the shell expands back into the same files in the same order:
+    `d/train-00000.parquet` ... `d/train-00019.parquet`, `d/train-00021.parquet` -> `d/train-{{00000..00019},00021}.parquet`."""
+    stretches: list[tuple[tuple[str, int, str] | None, list]] = []
+    for path in paths:
+        match = re.fullmatch(r"(.*?)(\d+)(\.[^/]*)", path)
+        key = (match[1], len(match[2]), match[3]) if match else None
+        if key and stretches and stretches[-1][0] == key and int(match[2]) > stretches[-1][1][-1]:
+            stretches[-1][1].append(int(match[2]))
+        else:
+            stretches.append((key, [int(match[2])] if key else [path]))
+    out = []
+    for key, items in stretches:
+        if key is None:
+            out += items
+            continue
+        prefix, width, suffix = key
+        runs: list[list[int]] = []
+        for n in items:
+            if runs and n == runs[-1][1] + 1:
+                runs[-1][1] = n
+            else:
+                runs.append([n, n])
+        parts = [f"{a:0{width}d}" if a == b else f"{{{a:0{width}d}..{b:0{width}d}}}" for a, b in runs]
+        out.append(prefix + (parts[0] if len(parts) == 1 else "{" + ",".join(parts) + "}") + suffix)
     return out
