@@ -147,7 +147,8 @@ def _cli(args: dict) -> list[str]:
 def brace_numbered(paths: list[str]) -> list[str]:
     """Paths with each stretch of numbered files in one pattern and ascending order written as a bash brace
     expression that the shell expands back into the same files in the same order:
-    `d/train-00000.parquet` ... `d/train-00019.parquet`, `d/train-00021.parquet` -> `d/train-{{00000..00019},00021}.parquet`."""
+    `d/train-00000.parquet` ... `d/train-00019.parquet`, `d/train-00021.parquet` become
+    `d/train-{{00000..00019},00021}.parquet`."""
     stretches: list[tuple[tuple[str, int, str] | None, list]] = []
     for path in paths:
         match = re.fullmatch(r"(.*?)(\d+)(\.[^/]*)", path)
