@@ -8,6 +8,7 @@ import pytest
 from transformers_confu.training.prompt_pool import (
     ANSWER_FROM,
     BUILDERS,
+    NEXT_TURN,
     SOURCES,
     SUMMARIZE,
     TRANSLATE,
@@ -15,6 +16,8 @@ from transformers_confu.training.prompt_pool import (
     dev_texts,
     exclude,
     followups,
+    main,
+    second_turns,
     write_pool,
 )
 from transformers_confu.training.regenerate import prompt_key
@@ -89,6 +92,43 @@ def test_followups_continue_after_the_targets_own_answer(tmp_path):
         for text in ("How long should it rise?", "Can I use rye?")]
     assert {r["kind"] for r in out} == {"followup"}
 
+
+
+def _row(question: str, answer: str, kind: str, eos: bool = True) -> dict:
+    messages = [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
+    return {"messages": messages, "kind": kind, "source": "src.json", "key": prompt_key(messages[:1]), "eos": eos}
+
+
+def test_second_turns_follow_each_finished_first_answer_with_a_request_of_its_kind():
+    rows = [_row(f"Translate to English: Satz {i}.", f"Sentence {i}.", "translation") for i in range(40)]
+    rows += [_row("Sum 2 and 3.", "5", "math_reasoning"), _row("Tell me a story.", "Once upon a", "writing", eos=False),
+             {**_row("Hi", "Hello!", "followup"), "messages": _row("Hi", "Hello!", "qa")["messages"] * 2}]
+    out = second_turns(rows)
+    assert len(out) == 41  # the unfinished answer and the two-turn row get no next request
+    for row, request in zip(rows, out):
+        assert request["messages"][:2] == row["messages"] and request["messages"][2]["role"] == "user"
+        assert request["messages"][2]["content"] in NEXT_TURN[row["kind"]] + NEXT_TURN["any"]
+        assert (request["kind"], request["source"]) == ("second_turn", "src.json")
+    texts = {r["messages"][2]["content"] for r in out[:40]}
+    assert texts & set(NEXT_TURN["translation"]) and texts & set(NEXT_TURN["any"])  # both lists are drawn from
+    assert second_turns(rows[::-1])[::-1] == out  # each row's request depends on that row only
+    assert second_turns(rows, seed=1) != out
+
+
+def test_second_turns_from_an_answers_dataset_go_to_their_own_pool_file(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from transformers_confu.training.answers_dataset import SCHEMA
+
+    rows = [{**_row(f"Why is the sky blue, part {i}?", "Rayleigh scattering.", "qa"), "answer_tokens": 4}
+            for i in range(3)]
+    (tmp_path / "answers" / "data").mkdir(parents=True)
+    pq.write_table(pa.Table.from_pylist(rows, schema=SCHEMA), tmp_path / "answers" / "data" / "train-00000.parquet")
+    main(["--second-turns-from", str(tmp_path / "answers"), "--out", str(tmp_path / "pool")])
+    written = [json.loads(line) for line in (tmp_path / "pool" / "prompts_second_turn.jsonl").read_text().splitlines()]
+    assert sorted(r["messages"][0]["content"] for r in written) == [r["messages"][0]["content"] for r in rows]
+    assert [p.name for p in (tmp_path / "pool").iterdir()] == ["prompts_second_turn.jsonl"]
 
 def test_dev_text_is_excluded_and_kinds_are_written_apart(tmp_path):
     dev = dev_texts()

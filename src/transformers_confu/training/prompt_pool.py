@@ -15,7 +15,9 @@ training files of `../shared/data/train/`; see that folder's README) and yields 
 - math_reasoning, coding, roleplay, writing: the prompts of the training files (GSM8K, GPTeacher,
   self-instruct user-oriented, UltraChat eval);
 - followup: OpenAssistant conversations whose later user turn follows the target's own earlier answer
-  (`followups`: built from an answers dataset once the openers are answered).
+  (`followups`: built from an answers dataset once the openers are answered);
+- second_turn: every finished first-turn answer of an answers dataset with a user's next request after it,
+  in wordings fit to the first request's kind (`second_turns`: the pool grows with the dataset).
 
 Requests that share a 13-word span with the benchmark's dev questions are left out (`exclude`), and no
 held-out text is read. Each kind is shuffled (seeded) and written to `<out>/prompts_<kind>.jsonl`:
@@ -24,6 +26,8 @@ held-out text is read. Each kind is shuffled (seeded) and written to `<out>/prom
         --train-dir ../shared/data/train --out runs/regen/pool
     python -m transformers_confu.training.prompt_pool --prompts-dir ../shared/data/prompts \\
         --followups-from data/smollm2-135m-instruct-answers --out runs/regen/pool     # the second turns
+    python -m transformers_confu.training.prompt_pool \\
+        --second-turns-from data/smollm2-135m-instruct-answers --out runs/regen/pool
 """
 
 from __future__ import annotations
@@ -60,6 +64,30 @@ EXTRACT = ["List every person, place and organisation named in this text:\n\n{te
            "Extract all dates and numbers from the following passage, each with what it refers to.\n\n{text}",
            '{text}\n\nFrom the text above, extract the main entities as JSON with the keys "people", "places", "dates".',
            "Pull out the three most important facts from this paragraph as a bulleted list:\n\n{text}"]
+
+# a user's next request after the target's answer, by the first request's kind (any kind also draws from "any")
+NEXT_TURN: dict[str, list[str]] = {
+    "any": ["Can you say more about that?", "Please put that more simply.",
+            "Can you shorten your answer to two sentences?", "Thanks. Could you rewrite that in a more formal tone?",
+            "Give me the same answer as a bulleted list."],
+    "translation": ["Is there a more literal translation?", "Can you make the English sound more natural?",
+                    "Explain the grammar of the German original.", "Give me two other ways to say this in English.",
+                    "Which words were hardest to translate, and why?"],
+    "summarization": ["Make it one sentence.", "List the key points as bullets.",
+                      "What is the most surprising fact in the passage?", "Rewrite the summary for a ten-year-old."],
+    "rag": ["Which sentence of the passage supports your answer?", "What else does the passage say about this?",
+            "Are you sure? Explain how the passage supports it."],
+    "extraction": ["Now put that in a table.", "Which of these matters most, and why?", "Give the same information as JSON."],
+    "qa": ["Why is that?", "How do you know?", "Give me an example.", "What is a common misconception about this?"],
+    "math_reasoning": ["Can you check the answer another way?", "Explain the second step in more detail.",
+                       "Solve it again with all the numbers doubled.", "Write the solution as a single equation."],
+    "coding": ["Add comments to the code.", "Write a few unit tests for it.", "What is its time complexity?",
+               "Rewrite it in JavaScript.", "Explain how the code works, line by line."],
+    "roleplay": ["Stay in character: what happens next?", "How do you feel about that?", "Tell me more about your past."],
+    "writing": ["Make it more formal.", "Give me three alternatives.", "Now write a title for it.",
+                "Rewrite it for a younger audience."],
+    "chat": ["Give me three alternatives.", "What would you recommend first?", "Can you give an example?"],
+}
 
 # file -> licence and upstream (repo @ commit), as the prompt folder's README gives them
 SOURCES: dict[str, dict[str, str]] = {
@@ -258,6 +286,21 @@ def followups(trees_file: str | Path, answers: Mapping[str, str]) -> list[Reques
     return out
 
 
+def second_turns(rows: Iterable[Mapping], seed: int = 0) -> list[Request]:
+    """`[request, the target's answer, a next request]` for every row of an answers dataset (`read_rows`) that
+    is one finished first turn: the next request is drawn from `NEXT_TURN` for the row's kind and "any", by a
+    generator seeded with the row's prompt, so that a grown dataset gives the same requests for the old rows."""
+    out = []
+    for row in rows:
+        messages = row["messages"]
+        if len(messages) != 2 or not row.get("eos") or not messages[1]["content"].strip():
+            continue
+        rng = random.Random(f"{seed}:{row['key']}")
+        text = rng.choice(NEXT_TURN.get(row["kind"], []) + NEXT_TURN["any"])
+        out.append({"messages": [*messages, {"role": "user", "content": text}], "kind": "second_turn",
+                    "source": row["source"]})
+    return out
+
 def exclude(requests: list[Request], texts: Iterable[str], span: int = 13) -> list[Request]:
     """`requests` without those sharing a `span`-word run with any of `texts` (e.g. the dev questions)."""
     def runs(text: str) -> set[tuple[str, ...]]:
@@ -298,6 +341,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--train-dir", default=None, help="the training files whose prompts to add (../shared/data/train)")
     p.add_argument("--followups-from", default=None,
                    help="an answers dataset: write the OpenAssistant second turns after its answers to the openers")
+    p.add_argument("--second-turns-from", default=None,
+                   help="an answers dataset: write a next request after each of its finished first-turn answers")
     p.add_argument("--exclude", default=str(DEV_QUESTIONS), help="questions whose text must not be in the pool")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True, help="folder for prompts_<kind>.jsonl")
@@ -309,10 +354,14 @@ def main(argv: list[str] | None = None) -> None:
         if args.prompts_dir is None:
             p.error("--followups-from needs --prompts-dir (the OpenAssistant trees)")
         requests = followups(Path(args.prompts_dir) / "oasst_en_100_trees.jsonl", read_answers(args.followups_from))
+    elif args.second_turns_from:
+        from .answers_dataset import read_rows
+
+        requests = second_turns(read_rows(args.second_turns_from).to_pylist(), args.seed)
     elif args.prompts_dir or args.train_dir:
         requests = build_requests(args.prompts_dir, args.train_dir, args.seed)
     else:
-        p.error("pass --prompts-dir and/or --train-dir (or --followups-from)")
+        p.error("pass --prompts-dir and/or --train-dir (or --followups-from, or --second-turns-from)")
     counts = write_pool(exclude(requests, dev_texts(args.exclude)), args.out, args.seed)
     print(json.dumps(counts))
 
