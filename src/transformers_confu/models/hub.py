@@ -89,7 +89,8 @@ def model_card(draft_dir: str | Path, base_model: str, bench: dict | None = None
                   f"{args.get('max_samples') or 'all'} conversations, max length {args.get('max_length')}",
                   f"- TTT steps {args.get('ttt_steps')}, lr {args.get('lr')}, batch {args.get('batch_size')}, "
                   f"steps {record.get('global_step')} of {record.get('max_steps')}, "
-                  f"{record.get('metrics', {}).get('train_runtime', '?')} s of training",
+                  f"{record.get('metrics', {}).get('train_runtime', '?')} s of training in the last run "
+                  "(a resumed run counts from its resume)",
                   f"- hardware: {hardware or 'CPU'}",
                   *([f"- the draft vocabulary covers {100 * record['vocab_coverage']:.2f}% of the training answers' "
                      "tokens"] if record.get("vocab_coverage") else []),
