@@ -42,9 +42,10 @@ class _Batch:
             self._keep(torch.arange(len(self.prompts)), -extra)
             width = mask.shape[1]
         index = torch.tensor(rows)
+        on_device = index.to(self.layers()[0].keys.device)
         for layer, new in zip(self.layers(), cache.layers):
-            layer.keys[index, :, width - new.keys.shape[-2]:] = new.keys
-            layer.values[index, :, width - new.values.shape[-2]:] = new.values
+            layer.keys[on_device, :, width - new.keys.shape[-2]:] = new.keys
+            layer.values[on_device, :, width - new.values.shape[-2]:] = new.values
         self.mask[index] = False
         self.mask[index, width - mask.shape[1]:] = mask
         self.positions[index] = mask.sum(dim=1)
@@ -53,9 +54,10 @@ class _Batch:
 
     def _keep(self, rows: torch.Tensor, start: int) -> None:
         """Keep only `rows` and the cache positions from `start` on (a negative `start` pads on the left)."""
+        on_device = rows.to(self.layers()[0].keys.device)
         for layer in self.layers():
             for name in ("keys", "values"):
-                tensor = getattr(layer, name).index_select(0, rows)
+                tensor = getattr(layer, name).index_select(0, on_device)
                 if start < 0:
                     tensor = torch.cat([tensor.new_zeros((*tensor.shape[:2], -start, tensor.shape[3])), tensor], dim=2)
                 setattr(layer, name, tensor[:, :, max(start, 0):].contiguous())

@@ -55,9 +55,9 @@ LEGACY_FINGERPRINTS = {"dca0dd02874cfafe": "0de68d7aa27e7747", "b8f9516f4af8e355
 
 def target_fingerprint(model) -> str:
     """A short hash of the target's config (architecture, sizes, dtype; not the folder it was loaded from)
-    and of a slice of its weights."""
+    and of a slice of its weights, summed on the CPU so that a target on a GPU gets the same hash."""
     config = {k: v for k, v in model.config.to_dict().items() if k not in _LOAD_FIELDS}
-    probe = model.get_input_embeddings().weight[:256].float().sum().item()
+    probe = model.get_input_embeddings().weight[:256].detach().cpu().float().sum().item()
     text = json.dumps(config, sort_keys=True, default=str) + f"{probe:.6e}"
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 

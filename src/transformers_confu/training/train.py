@@ -164,6 +164,8 @@ def build_dataset(args: argparse.Namespace, target, tokenizer):
             max_minutes=args.regenerate_minutes, seed=args.seed, keep_unanswered=args.keep_reference,
             answered=answered,
         )
+        if args.regenerate_only:
+            return None  # the answers are kept in the regeneration folder: nothing to tokenize
     return tokenize_conversations(conversations, tokenizer, max_length=args.max_length)
 
 
@@ -243,7 +245,7 @@ def main(argv: list[str] | None = None) -> None:
     target_dtype = resolve_target_dtype(args)
     target, tokenizer = load_target(args.target, torch_dtype=target_dtype, device=args.device)
     dataset = build_dataset(args, target, tokenizer)
-    if args.regenerate_only:
+    if dataset is None:
         return
     if args.ttt_steps is None:
         args.ttt_steps = int(args.tree.split(",")[0]) + 1
