@@ -107,7 +107,7 @@ stage)
     -d .dev/s3/whl $pins  # transformers' own pins, newer than the device's (s2 has no room left for them)
   rm -rf .dev/s3/*.tar.xz .dev/pool
   python3 -m transformers_confu.training.prompt_pool --prompts-dir "$prompts" --train-dir "$data" --out .dev/pool
-  python3 -m transformers_confu.training.prompt_pool --second-turns-from "$dataset" --out .dev/pool
+  python3 -m transformers_confu.training.prompt_pool --next-turns-from "$dataset" --out .dev/pool
   tar -C "$data/.." -cJf .dev/s3/train.tar.xz "$(basename "$data")" --transform "s|^$(basename "$data")|train|"
   tar -C .dev -cJf .dev/s3/pool.tar.xz pool
   du -sh .dev/s1 .dev/s2 .dev/s3 ;;

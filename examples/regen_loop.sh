@@ -4,8 +4,8 @@
 #   PROMPTS=../shared/data/prompts TRAIN=../shared/data/train KINDS="qa chat" MINUTES=12 BATCH=64 THREADS=1 \
 #     nohup bash examples/regen_loop.sh &
 # On a fresh machine the pool is built first from PROMPTS and TRAIN (the `followup` kind from the dataset's
-# answers; `second_turn`, a next request after each finished first answer, again at each start as the dataset
-# grows). Prompts the answers dataset (DATASET) already answers are skipped, never answered twice.
+# answers; `second_turn` and `third_turn`, a next request after each finished first or second answer, again at
+# each start as the dataset grows). Prompts the answers dataset (DATASET) already answers are skipped, never answered twice.
 # Rows are refilled as answers end (continuous batching); a piece stops starting prompts after MINUTES.
 # On an idle 2-core machine use THREADS=2: 64 rows ran 80 answer tokens/s there (results/regen_throughput_2threads.md);
 # or two loops of THREADS=1 on disjoint KINDS, the second with ANSWERS=runs/regen/answers2 (a folder per loop).
@@ -29,8 +29,8 @@ if [[ " $KINDS " == *" followup "* && ! -f $pool/prompts_followup.jsonl ]]; then
   .venv/bin/python -m transformers_confu.training.prompt_pool --out $pool --followups-from "$DATASET" \
     --prompts-dir "${PROMPTS:?set PROMPTS to the prompt files folder}"
 fi
-if [[ " $KINDS " == *" second_turn "* ]]; then  # rebuilt at each start: a next request after every finished answer
-  .venv/bin/python -m transformers_confu.training.prompt_pool --out $pool --second-turns-from "$DATASET"
+if [[ " $KINDS " == *"_turn "* ]]; then  # rebuilt at each start: a next request after every finished answer
+  .venv/bin/python -m transformers_confu.training.prompt_pool --out $pool --next-turns-from "$DATASET"
 fi
 for kind in $KINDS; do
   [ -f $pool/prompts_$kind.jsonl ] || { echo "no prompts of kind $kind in $pool" >&2; exit 2; }

@@ -17,7 +17,7 @@ from transformers_confu.training.prompt_pool import (
     exclude,
     followups,
     main,
-    second_turns,
+    next_turns,
     write_pool,
 )
 from transformers_confu.training.regenerate import prompt_key
@@ -99,23 +99,41 @@ def _row(question: str, answer: str, kind: str, eos: bool = True) -> dict:
     return {"messages": messages, "kind": kind, "source": "src.json", "key": prompt_key(messages[:1]), "eos": eos}
 
 
-def test_second_turns_follow_each_finished_first_answer_with_a_request_of_its_kind():
+def _conversation(turns: list[tuple[str, str]], kind: str, eos: bool = True) -> dict:
+    messages = [m for q, a in turns for m in ({"role": "user", "content": q}, {"role": "assistant", "content": a})]
+    return {"messages": messages, "kind": kind, "source": "src.json", "key": prompt_key(messages[:-1]), "eos": eos}
+
+
+def test_next_turns_follow_each_finished_answer_with_a_request_of_its_kind():
     rows = [_row(f"Translate to English: Satz {i}.", f"Sentence {i}.", "translation") for i in range(40)]
-    rows += [_row("Sum 2 and 3.", "5", "math_reasoning"), _row("Tell me a story.", "Once upon a", "writing", eos=False),
-             {**_row("Hi", "Hello!", "followup"), "messages": _row("Hi", "Hello!", "qa")["messages"] * 2}]
-    out = second_turns(rows)
-    assert len(out) == 41  # the unfinished answer and the two-turn row get no next request
+    rows += [_row("Sum 2 and 3.", "5", "math_reasoning"), _row("Tell me a story.", "Once upon a", "writing", eos=False)]
+    out = next_turns(rows)
+    assert len(out) == 41  # the unfinished answer gets no next request
     for row, request in zip(rows, out):
         assert request["messages"][:2] == row["messages"] and request["messages"][2]["role"] == "user"
         assert request["messages"][2]["content"] in NEXT_TURN[row["kind"]] + NEXT_TURN["any"]
         assert (request["kind"], request["source"]) == ("second_turn", "src.json")
     texts = {r["messages"][2]["content"] for r in out[:40]}
     assert texts & set(NEXT_TURN["translation"]) and texts & set(NEXT_TURN["any"])  # both lists are drawn from
-    assert second_turns(rows[::-1])[::-1] == out  # each row's request depends on that row only
-    assert second_turns(rows, seed=1) != out
+    assert next_turns(rows[::-1])[::-1] == out  # each row's request depends on that row only
+    assert next_turns(rows, seed=1) != out
 
 
-def test_second_turns_from_an_answers_dataset_go_to_their_own_pool_file(tmp_path):
+def test_third_turns_follow_second_answers_and_never_repeat_a_request():
+    asked = NEXT_TURN["any"][0]
+    rows = [_conversation([(f"What is {i} squared?", f"{i * i}."), (asked, "More.")], "second_turn") for i in range(40)]
+    out = next_turns(rows)
+    assert len(out) == 40 and {r["kind"] for r in out} == {"third_turn"}
+    for row, request in zip(rows, out):
+        assert request["messages"][:4] == row["messages"]
+        assert request["messages"][4]["content"] in NEXT_TURN["any"][1:]  # the second request is not drawn again
+    assert next_turns(rows, max_turns=2) == []
+    three = _conversation([("a?", "A."), ("b?", "B."), ("c?", "C.")], "third_turn")
+    not_alternating = {**rows[0], "messages": [{"role": "system", "content": "Be brief."}, *rows[0]["messages"]]}
+    assert next_turns([three, not_alternating]) == []  # three requests is the most; other layouts are left alone
+
+
+def test_next_turns_from_an_answers_dataset_go_to_their_own_pool_files(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -123,12 +141,16 @@ def test_second_turns_from_an_answers_dataset_go_to_their_own_pool_file(tmp_path
 
     rows = [{**_row(f"Why is the sky blue, part {i}?", "Rayleigh scattering.", "qa"), "answer_tokens": 4}
             for i in range(3)]
+    rows.append({**_conversation([("Why is grass green?", "Chlorophyll."), ("Why is that?", "Light.")], "second_turn"),
+                 "answer_tokens": 2})
     (tmp_path / "answers" / "data").mkdir(parents=True)
     pq.write_table(pa.Table.from_pylist(rows, schema=SCHEMA), tmp_path / "answers" / "data" / "train-00000.parquet")
-    main(["--second-turns-from", str(tmp_path / "answers"), "--out", str(tmp_path / "pool")])
+    main(["--next-turns-from", str(tmp_path / "answers"), "--out", str(tmp_path / "pool")])
     written = [json.loads(line) for line in (tmp_path / "pool" / "prompts_second_turn.jsonl").read_text().splitlines()]
-    assert sorted(r["messages"][0]["content"] for r in written) == [r["messages"][0]["content"] for r in rows]
-    assert [p.name for p in (tmp_path / "pool").iterdir()] == ["prompts_second_turn.jsonl"]
+    assert sorted(r["messages"][0]["content"] for r in written) == [r["messages"][0]["content"] for r in rows[:3]]
+    third = [json.loads(line) for line in (tmp_path / "pool" / "prompts_third_turn.jsonl").read_text().splitlines()]
+    assert [r["messages"][:4] for r in third] == [rows[3]["messages"]]
+    assert sorted(p.name for p in (tmp_path / "pool").iterdir()) == ["prompts_second_turn.jsonl", "prompts_third_turn.jsonl"]
 
 def test_dev_text_is_excluded_and_kinds_are_written_apart(tmp_path):
     dev = dev_texts()

@@ -16,8 +16,8 @@ training files of `../shared/data/train/`; see that folder's README) and yields 
   self-instruct user-oriented, UltraChat eval);
 - followup: OpenAssistant conversations whose later user turn follows the target's own earlier answer
   (`followups`: built from an answers dataset once the openers are answered);
-- second_turn: every finished first-turn answer of an answers dataset with a user's next request after it,
-  in wordings fit to the first request's kind (`second_turns`: the pool grows with the dataset).
+- second_turn, third_turn: every finished first- (second-) turn answer of an answers dataset with a user's next
+  request after it, in wordings fit to the first request's kind (`next_turns`: the pool grows with the dataset).
 
 Requests that share a 13-word span with the benchmark's dev questions are left out (`exclude`), and no
 held-out text is read. Each kind is shuffled (seeded) and written to `<out>/prompts_<kind>.jsonl`:
@@ -27,7 +27,7 @@ held-out text is read. Each kind is shuffled (seeded) and written to `<out>/prom
     python -m transformers_confu.training.prompt_pool --prompts-dir ../shared/data/prompts \\
         --followups-from data/smollm2-135m-instruct-answers --out runs/regen/pool     # the second turns
     python -m transformers_confu.training.prompt_pool \\
-        --second-turns-from data/smollm2-135m-instruct-answers --out runs/regen/pool
+        --next-turns-from data/smollm2-135m-instruct-answers --out runs/regen/pool    # second and third turns
 """
 
 from __future__ import annotations
@@ -286,18 +286,27 @@ def followups(trees_file: str | Path, answers: Mapping[str, str]) -> list[Reques
     return out
 
 
-def second_turns(rows: Iterable[Mapping], seed: int = 0) -> list[Request]:
-    """`[request, the target's answer, a next request]` for every row of an answers dataset (`read_rows`) that
-    is one finished first turn: the next request is drawn from `NEXT_TURN` for the row's kind and "any", by a
-    generator seeded with the row's prompt, so that a grown dataset gives the same requests for the old rows."""
+# the kind of a request by how many requests its conversation holds
+TURN_KINDS = {2: "second_turn", 3: "third_turn"}
+
+
+def next_turns(rows: Iterable[Mapping], seed: int = 0, max_turns: int = 3) -> list[Request]:
+    """`[...the conversation, the target's answer, a next request]` for every row of an answers dataset
+    (`read_rows`) that alternates requests and answers, ends with a finished answer and holds fewer than
+    `max_turns` requests: the next request is drawn from `NEXT_TURN` for the row's kind and "any", less the
+    requests it already holds, by a generator seeded with the row's prompt, so that a grown dataset gives the
+    same requests for the old rows. Second turns follow first answers, third turns second ones."""
     out = []
     for row in rows:
         messages = row["messages"]
-        if len(messages) != 2 or not row.get("eos") or not messages[1]["content"].strip():
+        turns = len(messages) // 2 + 1
+        if ([m["role"] for m in messages] != ["user", "assistant"] * (len(messages) // 2) or turns > max_turns
+                or turns not in TURN_KINDS or not row.get("eos") or not messages[-1]["content"].strip()):
             continue
+        asked = {m["content"] for m in messages if m["role"] == "user"}
         rng = random.Random(f"{seed}:{row['key']}")
-        text = rng.choice(NEXT_TURN.get(row["kind"], []) + NEXT_TURN["any"])
-        out.append({"messages": [*messages, {"role": "user", "content": text}], "kind": "second_turn",
+        text = rng.choice([t for t in NEXT_TURN.get(row["kind"], []) + NEXT_TURN["any"] if t not in asked])
+        out.append({"messages": [*messages, {"role": "user", "content": text}], "kind": TURN_KINDS[turns],
                     "source": row["source"]})
     return out
 
@@ -341,8 +350,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--train-dir", default=None, help="the training files whose prompts to add (../shared/data/train)")
     p.add_argument("--followups-from", default=None,
                    help="an answers dataset: write the OpenAssistant second turns after its answers to the openers")
-    p.add_argument("--second-turns-from", default=None,
-                   help="an answers dataset: write a next request after each of its finished first-turn answers")
+    p.add_argument("--next-turns-from", default=None,
+                   help="an answers dataset: write a next request after each of its finished answers (second and "
+                        "third turns: prompts_second_turn.jsonl, prompts_third_turn.jsonl)")
+    p.add_argument("--max-turns", type=int, default=3, choices=sorted(TURN_KINDS),
+                   help="with --next-turns-from: the most requests a conversation reaches")
     p.add_argument("--exclude", default=str(DEV_QUESTIONS), help="questions whose text must not be in the pool")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True, help="folder for prompts_<kind>.jsonl")
@@ -354,14 +366,14 @@ def main(argv: list[str] | None = None) -> None:
         if args.prompts_dir is None:
             p.error("--followups-from needs --prompts-dir (the OpenAssistant trees)")
         requests = followups(Path(args.prompts_dir) / "oasst_en_100_trees.jsonl", read_answers(args.followups_from))
-    elif args.second_turns_from:
+    elif args.next_turns_from:
         from .answers_dataset import read_rows
 
-        requests = second_turns(read_rows(args.second_turns_from).to_pylist(), args.seed)
+        requests = next_turns(read_rows(args.next_turns_from).to_pylist(), args.seed, args.max_turns)
     elif args.prompts_dir or args.train_dir:
         requests = build_requests(args.prompts_dir, args.train_dir, args.seed)
     else:
-        p.error("pass --prompts-dir and/or --train-dir (or --followups-from, or --second-turns-from)")
+        p.error("pass --prompts-dir and/or --train-dir (or --followups-from, or --next-turns-from)")
     counts = write_pool(exclude(requests, dev_texts(args.exclude)), args.out, args.seed)
     print(json.dumps(counts))
 
