@@ -15,10 +15,12 @@
 #   carry [".dev/s2"]:  cp .dev/s2/gguf.b /tmp/stage/ && cp -r .dev/s2/whl /tmp/stage/
 #   carry [".dev/s3"]:  bash examples/gpu_session.sh lease    # regen and continue side by side (each is launch-bound,
 #                                                             # so they share the GPU well), then bench
+#   (timeout_s 575; its defaults fill about 560 s: ~60 s of set-up and loading, 4.5 minutes of regen and training,
+#   180 s of bench, 30 s of profile; a machine's start and the two copy calls take ~2 of the 15 minutes)
 # or the steps one by one, carry [".dev/s3"]:
-#   regen     # issue #22: the target's fp32 greedy answers to the prompt pool, MINUTES (default 5) minutes
+#   regen     # issue #22: the target's fp32 greedy answers to the prompt pool, MINUTES (default 4.5) minutes
 #   continue  # issue #22: the shipped EAGLE-3 draft trained on the answers dataset (bf16, the target in the
-#             # loop) for STEPS (default 1000) steps of 32 or TRAIN_MINUTES (default 3.5) minutes; it ran 5.6
+#             # loop) for STEPS (default 1500) steps of 32 or TRAIN_MINUTES (default 4.5) minutes; it ran 5.6
 #             # steps/s beside regen (2026-12-04: 400 steps in 71 s), regen 8,000 tokens/s beside it
 #   train     # issue #10: the one-command GPU recipe (a fresh draft from the training files)
 #   bench     # issue #12: static/compiled loop vs compiled generate, then syncs per round and device busy share
@@ -48,7 +50,7 @@ prepare_device() {  # the target and the pinned wheels, from the staged halves
 regen() {  # fp32 (the dataset's settings: greedy, 256 new tokens), the answers the dataset holds skipped
   if [ -n "${SMOKE:-}" ]; then size=(--max-samples 8 --regenerate-batch-size 4 --regenerate-max-new-tokens 8
     --regenerate-minutes 0.5 --device cpu)
-  else size=(--regenerate-reuse "$dataset" --regenerate-batch-size "${BATCH:-512}" --regenerate-minutes "${MINUTES:-5}"
+  else size=(--regenerate-reuse "$dataset" --regenerate-batch-size "${BATCH:-512}" --regenerate-minutes "${MINUTES:-4.5}"
     --device cuda); fi
   python3 -m transformers_confu.training.train --data /tmp/s3/pool --output-dir /tmp/gpu-regen --regenerate \
     --regenerate-only --regenerate-dir /tmp/gpu-regen/answers --max-length 768 "${size[@]}"
@@ -58,7 +60,7 @@ regen() {  # fp32 (the dataset's settings: greedy, 256 new tokens), the answers 
 continue_draft() {  # the shipped draft on the whole answers dataset less shard 20 (the fresh held-out shard)
   local data; data=$(ls "$dataset"/data/train-*.parquet | grep -v train-00020)
   if [ -n "${SMOKE:-}" ]; then size=(--max-samples 16 --batch-size 2 --max-steps 2 --max-length 256 --device cpu)
-  else size=(--bf16 --batch-size 32 --max-steps "${STEPS:-1000}" --max-minutes "${TRAIN_MINUTES:-3.5}" --max-length 768
+  else size=(--bf16 --batch-size 32 --max-steps "${STEPS:-1500}" --max-minutes "${TRAIN_MINUTES:-4.5}" --max-length 768
     --device cuda); fi
   python3 -m transformers_confu.training.train --data $data --output-dir /tmp/gpu-continued --init-from $drafts-eagle3 \
     --ttt-steps 5 --lr 2e-4 --warmup-steps 10 --save-minutes 60 --seed 22 --tree 2,1,3 "${size[@]}"
@@ -70,10 +72,10 @@ bench() {  # the drafts this tree holds (`tree lease` leaves the ConFu one here)
   local have=(); for d in $drafts-eagle3 $drafts-confu; do [ -f $d/config.json ] && have+=($d); done
   if [ -n "${SMOKE:-}" ]; then size=(--limit 2 --max-new-tokens 16 --trees "3,1,4" --device cpu)
   else size=(--per-category 1 --max-new-tokens 128 --trees "6,4,24" --device cuda); fi
-  timeout "${BENCH_SECONDS:-420}" python3 -m transformers_confu.benchmark.bench --turns 1 --static-baseline \
+  timeout "${BENCH_SECONDS:-180}" python3 -m transformers_confu.benchmark.bench --turns 1 --static-baseline \
     --loops eager,static --prompt-lookup 0 --drafts "${have[@]}" --contemplate-nodes all "${size[@]}" \
     --out /tmp/gpu_bench/gpu_static 2>&1 | tail -40
-  [ -n "${SMOKE:-}" ] || timeout "${PROFILE_SECONDS:-120}" python3 examples/experiments/profile_rounds.py \
+  [ -n "${SMOKE:-}" ] || timeout "${PROFILE_SECONDS:-30}" python3 examples/experiments/profile_rounds.py \
     --out /tmp/gpu_bench/profile_rounds | tail -12
   cp /tmp/gpu_bench/gpu_static.md /tmp/gpu_bench/gpu_static.json /tmp/gpu_bench/profile_rounds.json "$OUT"/ 2>/dev/null || true  # not the answer files (8 at most come back)
 }
