@@ -90,6 +90,11 @@ train() {  # issue #10: the one-command GPU recipe
   split -b 15000000 /tmp/gpu-draft.tar "$OUT/gpu-draft.tar.part-"
 }
 
+wheels() {  # wheels for the device's Python 3.12 on x86-64 into folder $1
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d "$@"
+}
+
 case $step in
 stage)
   data=${2:?the training data folder, e.g. ../shared/data/train}
@@ -100,13 +105,9 @@ stage)
   head -c 57500000 "$gguf" > .dev/s1/gguf.a
   tail -c +57500001 "$gguf" > .dev/s2/gguf.b
   version=$(python3 -c "import transformers;print(transformers.__version__)")
-  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-    -d .dev/s2/whl "transformers==$version" gguf datasets dill multiprocess regex fsspec
+  wheels .dev/s2/whl "transformers==$version" gguf datasets dill multiprocess regex fsspec
   pins=$(python3 -m pip list --format freeze | grep -i -E '^(huggingface.hub|httpx2|httpcore2|truststore|idna|anyio|h11|click|hf.xet|tokenizers|safetensors|evaluate)==')
-  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-    -d .dev/s3/whl $pins  # transformers' own pins, newer than the device's (s2 has no room left for them)
+  wheels .dev/s3/whl $pins  # transformers' own pins, newer than the device's (s2 has no room left for them)
   rm -rf .dev/s3/*.tar.xz .dev/pool
   python3 -m transformers_confu.training.prompt_pool --prompts-dir "$prompts" --train-dir "$data" --out .dev/pool
   python3 -m transformers_confu.training.prompt_pool --next-turns-from "$dataset" --out .dev/pool
@@ -116,10 +117,11 @@ stage)
 tree)  # here: what of the repository travels with the next device call (64 MiB with the carried folders)
   exclude=.git/info/exclude
   case ${2:?none|lease|all} in
-  none) git rm -r -q --cached . && { grep -qx '/\*' $exclude || echo '/*' >> $exclude; } ;;
-  lease) git reset -q && git rm -r -q --cached results $drafts-confu && { grep -qx '/\*' $exclude || echo '/*' >> $exclude; } ;;
+  none) git rm -r -q --cached . ;;
+  lease) git reset -q && git rm -r -q --cached results $drafts-confu ;;
   all) git reset -q && sed -i '\|^/\*$|d' $exclude ;;
   esac
+  [ $2 = all ] || grep -qx '/\*' $exclude || echo '/*' >> $exclude  # what is untracked stays here
   git ls-files | xargs -r -d '\n' du -cb 2>/dev/null | tail -1 ;;
 regen|continue|bench|train)
   prepare_device && mkdir -p "$OUT"
@@ -134,7 +136,7 @@ lease)  # regen and continue side by side, then bench (alone on the GPU, for its
 take)  # here: the regen call's answers into the answers dataset (nothing is added twice)
   from=${2:?the folder where the files of the regen call came back (files_at)}
   rm -rf runs/gpu-regen && mkdir -p runs/gpu-regen && tar -C runs/gpu-regen -xJf "$from/gpu-answers.tar.xz"
-  python3 -m transformers_confu.training.answers_dataset --dataset "${DATASET:-data/smollm2-135m-instruct-answers}" \
+  python3 -m transformers_confu.training.answers_dataset --dataset "$dataset" \
     --answers runs/gpu-regen/answers --prompts .dev/pool/prompts_*.jsonl ;;
 *) echo "unknown step $step" >&2; exit 2 ;;
 esac

@@ -35,6 +35,11 @@ class _Batch:
     def layers(self) -> list[DynamicLayer]:
         return self.cache.layers
 
+    @property
+    def device(self) -> torch.device:
+        """Where the cache lives (row indices into it must be there too)."""
+        return self.layers()[0].keys.device
+
     def place(self, rows: list[int], cache: DynamicCache, mask: torch.Tensor, prompts: list[int]) -> None:
         """Put prefilled prompts (`cache`, `mask`: their own left-padded batch) into the free `rows`."""
         width, extra = self.mask.shape[1], mask.shape[1] - self.mask.shape[1]
@@ -42,7 +47,7 @@ class _Batch:
             self._keep(torch.arange(len(self.prompts)), -extra)
             width = mask.shape[1]
         index = torch.tensor(rows)
-        on_device = index.to(self.layers()[0].keys.device)
+        on_device = index.to(self.device)
         for layer, new in zip(self.layers(), cache.layers):
             layer.keys[on_device, :, width - new.keys.shape[-2]:] = new.keys
             layer.values[on_device, :, width - new.values.shape[-2]:] = new.values
@@ -54,7 +59,7 @@ class _Batch:
 
     def _keep(self, rows: torch.Tensor, start: int) -> None:
         """Keep only `rows` and the cache positions from `start` on (a negative `start` pads on the left)."""
-        on_device = rows.to(self.layers()[0].keys.device)
+        on_device = rows.to(self.device)
         for layer in self.layers():
             for name in ("keys", "values"):
                 tensor = getattr(layer, name).index_select(0, on_device)
