@@ -8,7 +8,8 @@
 # each start as the dataset grows). Prompts the answers dataset (DATASET) already answers are skipped, never answered twice.
 # Rows are refilled as answers end (continuous batching); a piece stops starting prompts after MINUTES.
 # On an idle 2-core machine use THREADS=2: 64 rows ran 80 answer tokens/s there (results/regen_throughput_2threads.md);
-# or two loops of THREADS=1 on disjoint KINDS, the second with ANSWERS=runs/regen/answers2 (a folder per loop).
+# or two loops of THREADS=1, each with its own ANSWERS folder, on disjoint KINDS or on disjoint parts of the same
+# kinds (PART=1/2 and PART=2/2: every second prompt, so neither answers what the other does).
 # Then into the dataset (a new shard, the card rewritten):
 #   python -m transformers_confu.training.answers_dataset --dataset data/smollm2-135m-instruct-answers \
 #     --answers runs/regen/answers [runs/regen/answers2] --prompts runs/regen/pool/prompts_*.jsonl ../shared/data/regen/prompts.jsonl
@@ -32,14 +33,24 @@ fi
 if [[ " $KINDS " == *"_turn "* ]]; then  # rebuilt at each start: a next request after every finished answer
   .venv/bin/python -m transformers_confu.training.prompt_pool --out $pool --next-turns-from "$DATASET"
 fi
+PART=${PART:-1/1}
+[[ $PART =~ ^([0-9]+)/([0-9]+)$ ]] && (( ${BASH_REMATCH[1]} >= 1 && ${BASH_REMATCH[1]} <= ${BASH_REMATCH[2]} )) \
+  || { echo "PART must be i/n with 1 <= i <= n, e.g. 1/2, not $PART" >&2; exit 2; }
+part=${BASH_REMATCH[1]} parts=${BASH_REMATCH[2]}
 for kind in $KINDS; do
   [ -f $pool/prompts_$kind.jsonl ] || { echo "no prompts of kind $kind in $pool" >&2; exit 2; }
+  if (( parts > 1 )); then  # every parts-th prompt, from the part-th on
+    mkdir -p $pool/part-$part-of-$parts
+    awk -v i=$part -v n=$parts '(NR - i) % n == 0' $pool/prompts_$kind.jsonl > $pool/part-$part-of-$parts/prompts_$kind.jsonl
+  fi
 done
+tag=""
+if (( parts > 1 )); then pool=$pool/part-$part-of-$parts tag=.part-$part-of-$parts; fi
 for round in $(seq 1 50); do
   for kind in $KINDS; do
     [ -f runs/regen/STOP ] && exit 0
     .venv/bin/confu-train --output-dir $ANSWERS-out --data $pool/prompts_$kind.jsonl --regenerate --regenerate-only \
       --regenerate-dir $ANSWERS --regenerate-reuse "$DATASET" --max-length 768 \
-      --regenerate-batch-size ${BATCH:-64} --regenerate-minutes ${MINUTES:-12} >> runs/regen/log_$kind.txt 2>&1
+      --regenerate-batch-size ${BATCH:-64} --regenerate-minutes ${MINUTES:-12} >> runs/regen/log_$kind$tag.txt 2>&1
   done
 done
