@@ -7,6 +7,7 @@ import datasets
 import pytest
 from test_train_cli import saved_target_and_data
 
+from transformers_confu.training import answers_dataset
 from transformers_confu.training.answers_dataset import append_answers, dataset_answers, read_card
 from transformers_confu.training.data_sources import find_sources, load_conversations
 from transformers_confu.training.regenerate import regenerate_responses, regeneration_settings
@@ -61,6 +62,14 @@ def test_append_read_reuse_and_refuse(tmp_path):
     regenerate_responses(first, target, tokenizer, tmp_path / "other", max_new_tokens=6)
     with pytest.raises(ValueError, match="other settings"):
         append_answers(folder, tmp_path / "other", prompt_files, tokenizer)
+
+    # A folder that is not a regeneration folder stops the command before any folder is appended.
+    with pytest.raises(SystemExit):
+        answers_dataset.main(["--dataset", str(tmp_path / "new"), "--answers", str(tmp_path / "answers"),
+                              str(tmp_path / "missing"), "--prompts", *prompt_files])
+    assert not (tmp_path / "new").exists()
+    with pytest.raises(ValueError, match="not a regeneration folder"):
+        append_answers(folder, tmp_path / "missing", prompt_files, tokenizer)
 
 
 def test_confu_train_trains_on_a_dataset_folder(tmp_path):

@@ -102,12 +102,20 @@ def _prompt_index(files: Sequence[str]) -> dict[str, dict]:
     return index
 
 
+def _settings_file(answers: Path) -> Path:
+    """`answers`/settings.json; a clear error when `answers` is not a regeneration folder."""
+    if not (answers / "settings.json").is_file() or not (answers / RESPONSES_FILE).is_file():
+        raise ValueError(f"{answers} is not a regeneration folder (no settings.json and {RESPONSES_FILE}): pass "
+                         "the folders `confu-train --regenerate --regenerate-dir` wrote.")
+    return answers / "settings.json"
+
+
 def append_answers(folder: str | Path, answers: str | Path, prompt_files: Sequence[str], tokenizer) -> dict:
     """Add the answers of the regeneration folder `answers` that `folder` lacks as a new shard, and rewrite
     the card. `prompt_files` hold the requests they answer (answers to other prompts are skipped, counted).
     Returns what was added and skipped."""
     folder, answers = Path(folder), Path(answers)
-    settings = json.loads((answers / "settings.json").read_text())
+    settings = json.loads(_settings_file(answers).read_text())
     settings["target"] = canonical_fingerprint(settings["target"])
     _check_settings(folder, settings, str(answers))
     have = set(read_rows(folder)["key"].to_pylist())
@@ -225,6 +233,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--prompts", nargs="+", required=True, help="the request files (.jsonl) they answered; globs too")
     p.add_argument("--tokenizer", default=None, help="the target's tokenizer (default: the embedded target's)")
     args = p.parse_args(argv)
+    for answers in args.answers:  # all checked before any is appended
+        try:
+            _settings_file(Path(answers))
+        except ValueError as error:
+            p.error(str(error))
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     from transformers import AutoTokenizer
 
