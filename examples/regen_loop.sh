@@ -36,16 +36,16 @@ fi
 PART=${PART:-1/1}
 [[ $PART =~ ^([0-9]+)/([0-9]+)$ ]] && (( ${BASH_REMATCH[1]} >= 1 && ${BASH_REMATCH[1]} <= ${BASH_REMATCH[2]} )) \
   || { echo "PART must be i/n with 1 <= i <= n, e.g. 1/2, not $PART" >&2; exit 2; }
-part=${BASH_REMATCH[1]} parts=${BASH_REMATCH[2]}
+part=${BASH_REMATCH[1]} parts=${BASH_REMATCH[2]} tag=""
+(( parts == 1 )) || tag=.part-$part-of-$parts
 for kind in $KINDS; do
   [ -f $pool/prompts_$kind.jsonl ] || { echo "no prompts of kind $kind in $pool" >&2; exit 2; }
-  if (( parts > 1 )); then  # every parts-th prompt, from the part-th on
+  if [ -n "$tag" ]; then  # every parts-th prompt, from the part-th on
     mkdir -p $pool/part-$part-of-$parts
     awk -v i=$part -v n=$parts '(NR - i) % n == 0' $pool/prompts_$kind.jsonl > $pool/part-$part-of-$parts/prompts_$kind.jsonl
   fi
 done
-tag=""
-if (( parts > 1 )); then pool=$pool/part-$part-of-$parts tag=.part-$part-of-$parts; fi
+[ -z "$tag" ] || pool=$pool/part-$part-of-$parts
 for round in $(seq 1 50); do
   for kind in $KINDS; do
     [ -f runs/regen/STOP ] && exit 0
