@@ -28,6 +28,7 @@ from ..models.eagle3_format import is_eagle3_config, load_eagle3, read_config, s
 from ..models.hub import SUFFIX_FOLDER
 from ..models.modeling_confu import ConFuDraftModel
 from ..utils.cache import full_attention, keep_path, reset_cache, static_cache
+from ..utils.grouped_attention import grouped_query_attention
 from ..utils.packed_linear import pack_linear_weights
 from .batched import generate_batch, is_batch, move_rows
 from .generation import SpeculativeStats, StaticTarget, TreeBudget, speculative_generate
@@ -442,7 +443,8 @@ def wrap_generate(model: PreTrainedModel) -> None:
     @functools.wraps(original)
     def generate(*args: Any, assistant_model: Any = None, **kwargs: Any):
         if getattr(type(assistant_model), "routes_generate", False):  # ConFuAssistant, SuffixAssistant
-            return assistant_model.generate(model, *args, **kwargs)
+            with grouped_query_attention(model):  # tree passes without copies of the cache's heads (CPU)
+                return assistant_model.generate(model, *args, **kwargs)
         return original(*args, assistant_model=assistant_model, **kwargs)
 
     generate._confu_wrapped = True
