@@ -4,7 +4,7 @@ transformers' SDPA attention copies every key and value head `num_key_value_grou
 masked call with more than one query (the fused CUDA and NPU kernels fall back to the math kernel on grouped
 heads with a mask). A tree verify pass is such a call, so on a CPU each pass copies the whole cache, in every
 layer (3x for SmolLM2-135M's 9 query heads on 3 key/value heads). PyTorch's CPU flash kernel takes the mask and
-the grouped heads together (`enable_gqa=True`), with the same results bit for bit and 6-8% less target time per
+the grouped heads together (`enable_gqa=True`), with the same results bit for bit and 6% less target time per
 pass on the dev set (`results/grouped_attention_dev.md`).
 
 `grouped_query_attention(model)` runs the model with `grouped_sdpa_attention` inside a block, where it runs
