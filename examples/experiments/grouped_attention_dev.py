@@ -1,10 +1,11 @@
 """Tree verify passes with grouped-query heads (`utils/grouped_attention.py`) against transformers' SDPA as it is.
 
 On the dev first turns (2 per category), greedy: plain `generate`, then the shipped draft alone (d2k1n3) and its
-hybrid tree (d2k1n6s4, the shipped corpus), each with the grouped path on and off (the wrapped `generate`
-without `grouped_query_attention`), in one process, the methods in a rotated order per question so that the machine's drifts hit them alike. Reports tau,
-tokens/s, speed-up over plain `generate` and the target's time per pass (the prompt's included), overall and for
-the prompts up to and over the median length; every output must equal plain `generate`'s.
+hybrid tree (d2k1n6s4, the shipped corpus), each with the grouped path on and off (off: the wrapped `generate`
+without `grouped_query_attention`), in one process, the methods in a rotated order per question so that the
+machine's drifts hit them alike. Reports tau, tokens/s, speed-up over plain `generate` and the target's time per
+pass (the prompt's included), overall and for the prompts up to and over the median length; every output must
+equal plain `generate`'s.
 
     OMP_NUM_THREADS=1 python examples/experiments/grouped_attention_dev.py --out results/grouped_attention_dev
 """
@@ -20,16 +21,16 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 import torch
 
 from transformers_confu import load_target
 from transformers_confu.benchmark.assistants import budget_name, draft_assistant
 from transformers_confu.benchmark.questions import chat_input_ids, load_questions
+from transformers_confu.decoding import assistant as assistant_module
 from transformers_confu.decoding.suffix import SHIPPED_CORPUS
 from transformers_confu.models.target import DEFAULT_DRAFT
-from transformers_confu.decoding import assistant as assistant_module
-from transformers_confu.utils.grouped_attention import grouped_query_attention
 
 
 def cpu_name() -> str:
@@ -57,12 +58,14 @@ def main() -> None:
     def run(method: str, ids: torch.Tensor) -> tuple[torch.Tensor, float, dict]:
         name, _, attention = method.partition(":")
         options = {} if name == "generate" else {"assistant_model": assistants[name]}
-        assistant_module.grouped_query_attention = \
-            grouped_query_attention if attention == "grouped" else lambda model: contextlib.nullcontext()
-        start = time.perf_counter()
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.max_new_tokens,
-                             do_sample=False, **options)
-        took = time.perf_counter() - start
+        with contextlib.ExitStack() as stack:
+            if attention == "sdpa":  # transformers' SDPA in the tree passes, as before grouped_query_attention
+                stack.enter_context(mock.patch.object(assistant_module, "grouped_query_attention",
+                                                      lambda model: contextlib.nullcontext()))
+            start = time.perf_counter()
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.max_new_tokens,
+                                 do_sample=False, **options)
+            took = time.perf_counter() - start
         stats = assistants[name].stats if options else None
         if stats is None:
             return out, took, {}
