@@ -99,7 +99,7 @@ def main() -> None:
                                verify_ms=1e3 * r["verify"] / r["passes"] if r["passes"] else None)
                        for m, r in rows.items()}
     result = dict(hardware=f"{platform.machine()} CPU ({cpu_name()}), {torch.get_num_threads()} threads",
-                  draft=args.draft, questions=len(prompts), median_prompt_tokens=median,
+                  draft=Path(args.draft).name, questions=len(prompts), median_prompt_tokens=median,
                   max_new_tokens=args.max_new_tokens, outputs_identical=identical, table=table,
                   command="python examples/experiments/grouped_attention_dev.py " + shlex.join(sys.argv[1:]))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
