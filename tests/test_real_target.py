@@ -10,6 +10,7 @@ import torch
 from transformers_confu import ConFuAssistant, ConFuDraftConfig, SuffixAssistant, load_target
 from transformers_confu.benchmark.batch_bench import left_padded
 from transformers_confu.benchmark.questions import chat_input_ids
+from transformers_confu.decoding.generation import TreeBudget
 from transformers_confu.decoding.suffix import SHIPPED_CORPUS
 from transformers_confu.models.target import CHECKPOINTS, DEFAULT_DRAFT
 
@@ -86,14 +87,16 @@ def test_default_draft_drafts_hybrid_trees_with_its_saved_budget(target):
     assistant = ConFuAssistant.from_pretrained(DEFAULT_DRAFT, target_model=model)
     hybrid = json.loads((DEFAULT_DRAFT / "suffix_corpus" / "config.json").read_text())["hybrid"]
     assert assistant.suffix.corpus is not None and assistant.suffix.max_nodes == hybrid["suffix_nodes"]
-    assert assistant.budget.total_tokens == hybrid["total_tokens"]
+    assert assistant.budget.total_tokens == hybrid["total_tokens"] and assistant.budget.top_k == hybrid["top_k"]
     ids = chat_input_ids(tokenizer, ["Repeat this sentence three times: The quick brown fox jumps over the lazy dog."])
     ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=40, do_sample=False)
     out = model.generate(ids, max_new_tokens=40, do_sample=False, assistant_model=assistant)
     assert torch.equal(out, ref), tokenizer.decode(out[0, ids.shape[1]:])
     sources = assistant.stats.accepted_by_source
     assert sources.get("suffix", 0) + sources.get("both", 0) > 0, sources
-    assert ConFuAssistant.from_pretrained(DEFAULT_DRAFT, target_model=model, suffix=False).suffix is None
+    alone = ConFuAssistant.from_pretrained(DEFAULT_DRAFT, target_model=model, suffix=False)
+    saved = json.loads((DEFAULT_DRAFT / "config.json").read_text())
+    assert alone.suffix is None and alone.budget == TreeBudget(saved["tree_depth"], saved["tree_top_k"], saved["tree_total_tokens"])
 
 
 def test_default_draft_follows_the_batch_policy_unless_a_budget_is_given(target):

@@ -11,10 +11,13 @@ from transformers_confu import ConFuAssistant, ConFuDraftConfig
 from transformers_confu.decoding.generation import (
     SpeculativeStats,
     StaticTarget,
+    TreeBudget,
     speculative_generate,
 )
 from transformers_confu.decoding.oracle import OracleDrafter
+from transformers_confu.decoding.suffix_index import CorpusIndex, tokenizer_fingerprint
 from transformers_confu.decoding.tree import additive_mask
+from transformers_confu.models.hub import SUFFIX_FOLDER
 from transformers_confu.utils.cache import (
     cache_kwargs,
     keep_path,
@@ -291,3 +294,23 @@ def test_compiled_static_mode_is_exact_without_graph_breaks_or_recompiles():
         assert (assistant.stats.compile_seconds > 0) == (seed == 0)
         graphs.append(counters["stats"]["unique_graphs"])
     assert graphs[0] > 0 and graphs[1] == graphs[0] == graphs[2]
+
+
+def test_corpus_beside_a_draft_brings_its_hybrid_budget_unless_the_call_gives_one(tmp_path):
+    """The hybrid budget saved with a corpus (nodes, suffix candidates, the draft's top-k) is the default with that
+    corpus; a caller's values win, and the draft alone (`suffix=False`) keeps the tree saved in its config."""
+    target, tokenizer = tiny_target(), tiny_tokenizer()
+    draft = make_assistant(target).draft
+    draft.config.tree_depth, draft.config.tree_top_k, draft.config.tree_total_tokens = 2, 2, 4
+    draft.save_pretrained(tmp_path)
+    meta = dict(tokenizer_fingerprint=tokenizer_fingerprint(tokenizer), tokenizer_name="tiny",
+                hybrid=dict(total_tokens=6, suffix_nodes=4, top_k=1))
+    CorpusIndex.build([[3, 4, 5, 6], [4, 5, 7]], meta).save_pretrained(tmp_path / SUFFIX_FOLDER)
+
+    def load(**options):
+        assistant = ConFuAssistant.from_pretrained(tmp_path, target_model=target, tokenizer=tokenizer, **options)
+        return assistant.budget, assistant.suffix and assistant.suffix.max_nodes
+
+    assert load() == (TreeBudget(depth=2, top_k=1, total_tokens=6), 4)
+    assert load(top_k=3, suffix_nodes=2) == (TreeBudget(depth=2, top_k=3, total_tokens=6), 2)
+    assert load(suffix=False) == (TreeBudget(depth=2, top_k=2, total_tokens=4), None)

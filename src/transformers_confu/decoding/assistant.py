@@ -143,7 +143,8 @@ class ConFuAssistant:
         ConFu draft; `depth`/`top_k`/`total_tokens` go to the budget, `contemplate_nodes` and `width` as in the class.
 
         `suffix`: True (default) uses the suffix corpus saved beside a local draft (`suffix_corpus/`), if there
-        is one, with the hybrid budget saved in it (unless `total_tokens`/`suffix_nodes` are given); False the
+        is one, with the hybrid budget saved in it (its `total_tokens`, `suffix_nodes` and, where saved, `depth` and
+        `top_k`, unless the call gives them); False the
         draft alone; or a corpus folder / `CorpusIndex` / `SuffixProposer` (see `suffix.load_proposer`; the
         corpus is checked against `tokenizer`, default the target's).
 
@@ -155,10 +156,11 @@ class ConFuAssistant:
         beside = Path(path_or_id) / SUFFIX_FOLDER
         if source is True:
             source = beside if beside.is_dir() else None
-        suffix, saved_total = load_proposer(source, target_model, tokenizer), None
+        suffix, saved = load_proposer(source, target_model, tokenizer), {}
         if suffix is not None and suffix.corpus is not None:
             hybrid = suffix.corpus.meta.get("hybrid", {})
-            saved_total = hybrid.get("total_tokens", suffix.max_nodes + 1)
+            saved = {k: hybrid[k] for k in ("depth", "top_k") if k in hybrid}
+            saved["total_tokens"] = hybrid.get("total_tokens", suffix.max_nodes + 1)
             suffix.max_nodes = nodes or hybrid.get("suffix_nodes", suffix.max_nodes)
         elif suffix is not None and nodes:
             suffix.max_nodes = nodes
@@ -169,8 +171,9 @@ class ConFuAssistant:
             draft = load_draft(path_or_id, **kwargs)
             adapter = load_adapter(path_or_id, **kwargs) if draft.config.contemplate else None
             assistant = cls(draft, target_model, adapter, suffix=suffix, **options)
-        if saved_total is not None and "total_tokens" not in options:
-            assistant.budget.total_tokens = saved_total  # a saved default, not the caller's: batches follow the policy
+        for key, value in saved.items():  # saved defaults, not the caller's: batches follow the policy
+            if key not in options:
+                setattr(assistant.budget, key, value)
         return assistant
 
     @classmethod

@@ -128,8 +128,10 @@ def suffix_corpus_section(draft_dir: str | Path) -> list[str]:
              f"`{corpus['tokenizer_fingerprint']}`. Its continuations of the context join the draft's tree under one "
              "node budget (`suffix=False` in `from_pretrained` or `generate` drafts alone)."]
     if hybrid:
+        draft = ", ".join(f"{name} {hybrid[key]}" for key, name in (("depth", "depth"), ("top_k", "top-k")) if key in hybrid)
         lines.append(f"Default hybrid tree: {hybrid['total_tokens']} nodes, up to {hybrid['suffix_nodes']} of them "
-                     f"suffix candidates ({hybrid.get('chosen_by', 'saved with the corpus')}).")
+                     f"suffix candidates{f', the draft at {draft}' if draft else ''} "
+                     f"({hybrid.get('chosen_by', 'saved with the corpus')}).")
     return lines + [""]
 
 
