@@ -49,7 +49,7 @@ class Method:
     assistant: object | None = None
 
 
-AUTO_CANDIDATES = "2,1,3;3,1,4;3,2,5;4,1,5;4,2,6;5,2,8;6,2,10;6,4,16;8,4,30"
+AUTO_CANDIDATES = "1,3,4;2,1,3;2,2,4;2,3,6;3,1,4;3,2,5;4,1,5;4,2,6;5,2,8;6,2,10;6,4,16;8,4,30"
 WIDTH_TAGS = {"fixed": "", "auto": ":auto-width"}  # method name suffix per --width
 
 
