@@ -143,10 +143,9 @@ class ConFuAssistant:
         ConFu draft; `depth`/`top_k`/`total_tokens` go to the budget, `contemplate_nodes` and `width` as in the class.
 
         `suffix`: True (default) uses the suffix corpus saved beside a local draft (`suffix_corpus/`), if there
-        is one, with the hybrid budget saved in it (its `total_tokens`, `suffix_nodes` and, where saved, `depth` and
-        `top_k`, unless the call gives them); False the
-        draft alone; or a corpus folder / `CorpusIndex` / `SuffixProposer` (see `suffix.load_proposer`; the
-        corpus is checked against `tokenizer`, default the target's).
+        is one, with the hybrid budget saved in it (its `total_tokens`, `suffix_nodes` and, where saved, the draft's
+        `top_k`, unless the call gives them); False the draft alone; or a corpus folder / `CorpusIndex` /
+        `SuffixProposer` (see `suffix.load_proposer`; the corpus is checked against `tokenizer`, default the target's).
 
         Reference-format EAGLE-3 drafts (SafeAILab/EAGLE, SpecForge: a Llama config with `draft_vocab_size`,
         weights `midlayer.*`, `fc`, `norm`, `lm_head`, `d2t`, `t2d`) load too (see `eagle3_format`)."""
@@ -159,8 +158,9 @@ class ConFuAssistant:
         suffix, saved = load_proposer(source, target_model, tokenizer), {}
         if suffix is not None and suffix.corpus is not None:
             hybrid = suffix.corpus.meta.get("hybrid", {})
-            saved = {k: hybrid[k] for k in ("depth", "top_k") if k in hybrid}
-            saved["total_tokens"] = hybrid.get("total_tokens", suffix.max_nodes + 1)
+            saved = {"total_tokens": hybrid.get("total_tokens", suffix.max_nodes + 1)}
+            if "top_k" in hybrid:
+                saved["top_k"] = hybrid["top_k"]
             suffix.max_nodes = nodes or hybrid.get("suffix_nodes", suffix.max_nodes)
         elif suffix is not None and nodes:
             suffix.max_nodes = nodes

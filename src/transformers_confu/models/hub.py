@@ -128,9 +128,9 @@ def suffix_corpus_section(draft_dir: str | Path) -> list[str]:
              f"`{corpus['tokenizer_fingerprint']}`. Its continuations of the context join the draft's tree under one "
              "node budget (`suffix=False` in `from_pretrained` or `generate` drafts alone)."]
     if hybrid:
-        draft = ", ".join(f"{name} {hybrid[key]}" for key, name in (("depth", "depth"), ("top_k", "top-k")) if key in hybrid)
+        draft = f", the draft at top-k {hybrid['top_k']}" if "top_k" in hybrid else ""
         lines.append(f"Default hybrid tree: {hybrid['total_tokens']} nodes, up to {hybrid['suffix_nodes']} of them "
-                     f"suffix candidates{f', the draft at {draft}' if draft else ''} "
+                     f"suffix candidates{draft} "
                      f"({hybrid.get('chosen_by', 'saved with the corpus')}).")
     return lines + [""]
 

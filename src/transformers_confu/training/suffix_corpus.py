@@ -122,8 +122,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--hybrid-total-tokens", type=int, default=None,
                    help="hybrid budget saved with the corpus: nodes per tree (draft + suffix, root included)")
     p.add_argument("--hybrid-suffix-nodes", type=int, default=None, help="hybrid budget: suffix candidates offered")
-    p.add_argument("--hybrid-depth", type=int, default=None,
-                   help="hybrid budget: the draft's levels (default: the draft's own saved tree's)")
     p.add_argument("--hybrid-top-k", type=int, default=None,
                    help="hybrid budget: the draft's children per node (default: the draft's own saved tree's)")
     p.add_argument("--hybrid-chosen-by", default=None,
@@ -142,9 +140,8 @@ def main(argv=None) -> dict:
     if args.hybrid_total_tokens:
         index.meta["hybrid"] = dict(total_tokens=args.hybrid_total_tokens, suffix_nodes=args.hybrid_suffix_nodes
                                     or args.hybrid_total_tokens - 1)
-        for key in ("depth", "top_k"):
-            if getattr(args, f"hybrid_{key}") is not None:
-                index.meta["hybrid"][key] = getattr(args, f"hybrid_{key}")
+        if args.hybrid_top_k is not None:
+            index.meta["hybrid"]["top_k"] = args.hybrid_top_k
         if args.hybrid_chosen_by:
             index.meta["hybrid"]["chosen_by"] = args.hybrid_chosen_by
     index.meta["build"] = {k: v for k, v in report.items() if k != "calibration"}
