@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 from conftest import tiny_target, tiny_tokenizer
 
@@ -25,12 +26,17 @@ def write_questions(path, n=4):
     return path
 
 
-def test_bench_end_to_end_writes_spec_bench_answers_tables_and_plots(tmp_path):
+def save_target_and_draft(tmp_path):
+    """A tiny target with its tokenizer in `tmp_path/target` and a random draft for it in `tmp_path/draft`."""
     target, tokenizer = tiny_target(), tiny_tokenizer()
     target.save_pretrained(tmp_path / "target")
     tokenizer.save_pretrained(tmp_path / "target")
     ConFuAssistant.from_config(ConFuDraftConfig.for_target(target, draft_vocab_size=64), target).save_pretrained(
         tmp_path / "draft")
+
+
+def test_bench_end_to_end_writes_spec_bench_answers_tables_and_plots(tmp_path):
+    save_target_and_draft(tmp_path)
     out = tmp_path / "res" / "bench"
     summary = main(["--target", str(tmp_path / "target"), "--drafts", str(tmp_path / "draft"), "--questions",
                     str(write_questions(tmp_path / "q.jsonl")), "--max-new-tokens", "12", "--trees", "3,2,5;2,1,3",
@@ -135,3 +141,16 @@ def test_turns_device_dtype_and_the_static_cache_baseline(tmp_path):
         assert rows and all(len(row["choices"][0]["turns"]) == 1 for row in rows)
     summary = json.loads(out.with_suffix(".json").read_text())
     assert summary["table"]["generate-static"]["overall"]["identical"] is True and summary["meta"]["dtype"] == "float32"
+
+
+def test_draft_dtypes_run_each_draft_once_per_dtype_and_are_recorded(tmp_path):
+    save_target_and_draft(tmp_path)
+    common = ["--target", str(tmp_path / "target"), "--drafts", str(tmp_path / "draft"), "--questions",
+              str(write_questions(tmp_path / "q.jsonl", n=2)), "--max-new-tokens", "6", "--trees", "2,1,3",
+              "--prompt-lookup", "0", "--out", str(tmp_path / "bench")]
+    summary = main(common + ["--draft-dtypes", "float32,bfloat16"])
+    assert list(summary["table"]) == ["generate", "eagle3:draft:d2k1n3@float32", "eagle3:draft:d2k1n3@bfloat16"]
+    assert summary["mismatches"] == {}
+    assert summary["meta"]["draft_dtypes"] == {"float32": "float32", "bfloat16": "bfloat16"}
+    with pytest.raises(SystemExit, match="--draft-dtypes 'bf16'"):
+        main(common + ["--draft-dtypes", "bf16"])

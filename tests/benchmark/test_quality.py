@@ -7,10 +7,9 @@ import json
 import evaluate
 import numpy as np
 import pytest
-from conftest import tiny_target, tiny_tokenizer
 from scipy.stats import binomtest
+from test_bench import save_target_and_draft
 
-from transformers_confu import ConFuAssistant, ConFuDraftConfig
 from transformers_confu.benchmark.bench import main
 from transformers_confu.benchmark.quality import (
     FinalNumberExactMatch,
@@ -83,11 +82,7 @@ def test_quality_check_uses_only_questions_with_a_gsm8k_reference():
 
 
 def test_bench_at_temperature_reports_task_quality(tmp_path):
-    target, tokenizer = tiny_target(), tiny_tokenizer()
-    target.save_pretrained(tmp_path / "target")
-    tokenizer.save_pretrained(tmp_path / "target")
-    ConFuAssistant.from_config(ConFuDraftConfig.for_target(target, draft_vocab_size=64), target).save_pretrained(
-        tmp_path / "draft")
+    save_target_and_draft(tmp_path)
     rows = [dict(question=f"t{3 + i} t{9 + i}", answer=f"t4 is {i}\n#### {20 + i}") for i in range(5)]
     rows.append(dict(question_id=99, category="qa", turns=["t5 t6"]))  # left out by --categories
     (tmp_path / "q.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))

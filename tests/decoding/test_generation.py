@@ -314,3 +314,74 @@ def test_corpus_beside_a_draft_brings_its_hybrid_budget_unless_the_call_gives_on
     assert load() == (TreeBudget(depth=2, top_k=1, total_tokens=6), 4)
     assert load(top_k=3, suffix_nodes=2) == (TreeBudget(depth=2, top_k=3, total_tokens=6), 2)
     assert load(suffix=False) == (TreeBudget(depth=2, top_k=2, total_tokens=4), None)
+
+
+def test_draft_dtype_auto_halves_only_a_float32_target_on_a_native_bfloat16_cpu(monkeypatch):
+    """"auto": bfloat16 for a float32 target on a CPU with native bfloat16 products, else the target's dtype; an
+    explicit dtype (or its name) wins; anything else is refused with the values to use."""
+    import transformers_confu.decoding.assistant as assistant_module
+
+    target = tiny_target()
+    config = ConFuDraftConfig.for_target(target, draft_vocab_size=64)
+    for native, expected in [(True, torch.bfloat16), (False, torch.float32)]:
+        monkeypatch.setattr(assistant_module, "native_bf16", lambda native=native: native)
+        assert ConFuAssistant.from_config(config, target).draft.dtype == expected
+        assert ConFuAssistant.from_config(config, target, draft_dtype="float32").draft.dtype == torch.float32
+        assert ConFuAssistant.from_config(config, target, draft_dtype=torch.bfloat16).draft.dtype == torch.bfloat16
+    monkeypatch.setattr(assistant_module, "native_bf16", lambda: True)
+    assert ConFuAssistant.from_config(config, target.to(torch.bfloat16)).draft.dtype == torch.bfloat16
+    assert target.dtype == torch.bfloat16  # the target is never cast
+    for wrong in ["bf16", torch.long, 3]:
+        with pytest.raises(ValueError, match="use 'auto' or a floating dtype"):
+            ConFuAssistant.from_config(config, target, draft_dtype=wrong)
+
+
+
+def test_a_draft_run_in_a_narrower_dtype_saves_its_weights_as_given(tmp_path):
+    """An assistant that runs a float32 draft in bfloat16 saves (and exports) the float32 weights it was given, bit
+    for bit, and runs in bfloat16 again afterwards."""
+    from safetensors.torch import load_file
+
+    target = tiny_target()
+    config = ConFuDraftConfig.for_target(target, draft_vocab_size=64)
+    given = {k: v.clone() for k, v in ConFuAssistant.from_config(config, target, draft_dtype="float32").draft.state_dict().items()}
+    narrowed = ConFuAssistant.from_config(config, target, draft_dtype="bfloat16")
+    narrowed.draft.to(torch.float32).load_state_dict(given)
+    narrowed = ConFuAssistant(narrowed.draft, target, draft_dtype="bfloat16")
+    assert narrowed.draft.dtype == torch.bfloat16
+    narrowed.save_pretrained(tmp_path / "ours")
+    narrowed.save_pretrained(tmp_path / "eagle3", format="eagle3")
+    saved = load_file(tmp_path / "ours" / "model.safetensors")
+    assert all(torch.equal(saved[k], v) for k, v in given.items() if k in saved) and saved["lm_head.weight"].dtype == torch.float32
+    assert load_file(tmp_path / "eagle3" / "model.safetensors")["lm_head.weight"].dtype == torch.float32
+    assert narrowed.draft.dtype == torch.bfloat16
+    ids = torch.randint(0, 128, (1, 6), generator=torch.Generator().manual_seed(1))
+    out = target.generate(ids, max_new_tokens=8, do_sample=False, assistant_model=narrowed)
+    assert torch.equal(out, plain(target, ids, max_new_tokens=8))
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "confu"])
+def test_bfloat16_draft_beside_a_float32_target_is_lossless(arch, kind, mode):
+    """A draft run in bfloat16 (started from the target's head and last layer, so that many of its tokens are
+    accepted) gives plain `generate`'s greedy outputs, one prompt at a time and in a batch."""
+    from transformers_confu import ConFuDraftModel
+
+    target = tiny_target(arch)
+    config = ConFuDraftConfig.for_target(target, draft_vocab_size=128, contemplate=kind == "confu")
+    draft = ConFuDraftModel(config)
+    draft.init_from_target(target, ("head", "norm", "fc", "layer"))
+    assistant = ConFuAssistant.from_config(config, target, draft_dtype="bfloat16", depth=3, top_k=2, total_tokens=6)
+    assistant.draft.load_state_dict(draft.state_dict())
+    assert assistant.draft.dtype == torch.bfloat16 and target.dtype == torch.float32
+    drafted = 0
+    for seed in range(4):
+        ids = torch.randint(0, 128, (1, 4 + 5 * seed), generator=torch.Generator().manual_seed(seed))
+        out = target.generate(ids, max_new_tokens=24, do_sample=False, assistant_model=assistant, **mode_kwargs(mode))
+        assert torch.equal(out, plain(target, ids, max_new_tokens=24)), f"seed {seed}"
+        drafted += sum(n - 1 for n in assistant.stats.accept_lengths)
+    assert drafted > 0  # some drafted tokens were accepted: the bfloat16 draft's proposals were used
+    batch = torch.randint(0, 128, (3, 7), generator=torch.Generator().manual_seed(9))
+    mask = torch.ones_like(batch)
+    out = target.generate(batch, attention_mask=mask, max_new_tokens=16, do_sample=False, pad_token_id=0,
+                          assistant_model=assistant, **mode_kwargs(mode))
+    assert torch.equal(out, plain(target, batch, max_new_tokens=16))

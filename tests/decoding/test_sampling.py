@@ -60,7 +60,7 @@ def setup():
     target = tiny_target(vocab_size=VOCAB, init=0.15, seed=3)
     config = ConFuDraftConfig.for_target(target, draft_vocab_size=4)
     config.initializer_range = 0.4  # a confident draft that is often wrong: many rejections
-    assistant = ConFuAssistant.from_config(config, target, depth=2, top_k=2, total_tokens=4)
+    assistant = ConFuAssistant.from_config(config, target, draft_dtype="float32", depth=2, top_k=2, total_tokens=4)
     assistant.draft.set_vocab_map(torch.tensor([0, 2, 3, 5]))  # tokens 1 and 4 are never drafted
     prompt = torch.tensor([1, 4, 2])
     return target, assistant, prompt, exact_distribution(target, prompt)
@@ -80,6 +80,17 @@ def test_sampling_matches_exact_target_distribution(setup, mode):
     target, assistant, prompt, exact = setup
     options = {"eager": {}, "static": dict(cache_implementation="static"), "compiled": compiled_static()}[mode]
     counts = sampled_counts(target, assistant, prompt, **options)
+    assert p_value(exact, counts) > 1e-3
+
+
+def test_sampling_with_a_bfloat16_draft_matches_exact_target_distribution(setup):
+    """The same draft run in bfloat16 (what "auto" picks on CPUs with native bfloat16) proposes from its own q."""
+    target, assistant, prompt, exact = setup
+    half = ConFuAssistant.from_config(assistant.draft.config, target, draft_dtype="bfloat16", depth=2, top_k=2,
+                                      total_tokens=4)
+    half.draft.load_state_dict(assistant.draft.state_dict())
+    assert half.draft.dtype == torch.bfloat16
+    counts = sampled_counts(target, half, prompt)
     assert p_value(exact, counts) > 1e-3
 
 

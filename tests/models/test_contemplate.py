@@ -494,7 +494,7 @@ def test_draft_without_future_entry_takes_f_only_as_a_prior(monkeypatch):
         ConFuDraftConfig.for_target(target, contemplate=True, future_entry=False)
     config = ConFuDraftConfig.for_target(target, draft_vocab_size=64, contemplate=True, future_entry=False,
                                          future_logit_weight=1.0)
-    assistant = ConFuAssistant.from_config(config, target, depth=3, top_k=2, total_tokens=6)
+    assistant = ConFuAssistant.from_config(config, target, draft_dtype="float32", depth=3, top_k=2, total_tokens=6)
     draft = assistant.draft
     assert not config.has_future_entry and not hasattr(draft, "future_moe") and not hasattr(draft, "future_bias")
     with pytest.raises(ValueError, match="no \\[f\\] entry"):

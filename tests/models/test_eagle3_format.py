@@ -72,9 +72,9 @@ def greedy_runs(target, assistant, prompts=6, new_tokens=24):
 def test_reference_checkpoint_drafts_exactly_as_our_format(tmp_path):
     target = tiny_target()
     draft = random_draft(target)
-    ours = ConFuAssistant(draft, target, depth=3, top_k=2, total_tokens=6)
+    ours = ConFuAssistant(draft, target, draft_dtype="float32", depth=3, top_k=2, total_tokens=6)
     loaded = ConFuAssistant.from_pretrained(write_reference(draft, target, tmp_path / "ref"), target_model=target,
-                                            depth=3, top_k=2, total_tokens=6)
+                                            draft_dtype="float32", depth=3, top_k=2, total_tokens=6)
     assert loaded.draft.config.feature_layers == draft.config.feature_layers == [2, 2, 1]
     for name, tensor in draft.state_dict().items():
         assert torch.equal(loaded.draft.state_dict()[name], tensor), name
@@ -147,7 +147,7 @@ def test_norm_output_false_checkpoint_loads_drafts_trains_and_exports_as_the_ref
     target = tiny_target()
     folder = write_reference(random_draft(target), target, tmp_path / "ref", norm_output=False)
     tensors, config = load_file(folder / "model.safetensors"), json.loads((folder / "config.json").read_text())
-    draft = ConFuAssistant.from_pretrained(folder, target_model=target).draft.double()
+    draft = ConFuAssistant.from_pretrained(folder, target_model=target, draft_dtype="float32").draft.double()
     assert draft.config.norm_output is False
     ids, features, causal = draft_inputs(target, config)
     expected, expected_ids, _ = reference_step(tensors, config, target.get_input_embeddings(), features[0], ids)
@@ -166,7 +166,7 @@ def test_norm_output_false_checkpoint_loads_drafts_trains_and_exports_as_the_ref
     loss.backward()
     assert draft.norm.weight.grad is None and draft.lm_head.weight.grad.abs().sum() > 0
 
-    ConFuAssistant(draft, target).save_pretrained(tmp_path / "ours")
+    ConFuAssistant(draft, target, draft_dtype="float32").save_pretrained(tmp_path / "ours")
     assert ConFuAssistant.from_pretrained(tmp_path / "ours", target_model=target).draft.config.norm_output is False
     save_eagle3(draft, tmp_path / "back")
     assert json.loads((tmp_path / "back" / "config.json").read_text())["norm_output"] is False
@@ -180,7 +180,7 @@ def test_norm_output_false_checkpoint_loads_drafts_trains_and_exports_as_the_ref
 def test_round_trip_ours_to_eagle3_and_back(tmp_path):
     target = tiny_target(num_hidden_layers=8)
     draft = random_draft(target)
-    ConFuAssistant(draft, target).save_pretrained(tmp_path / "eagle3", format="eagle3")
+    ConFuAssistant(draft, target, draft_dtype="float32").save_pretrained(tmp_path / "eagle3", format="eagle3")
     config = json.loads((tmp_path / "eagle3" / "config.json").read_text())
     assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]  # hidden_states [2, 4, 5]
     assert (config["architectures"], config["model_type"], config["num_hidden_layers"]) == (
@@ -189,7 +189,7 @@ def test_round_trip_ours_to_eagle3_and_back(tmp_path):
     saved = load_file(tmp_path / "eagle3" / "model.safetensors")
     assert "embed_tokens.weight" not in saved and "midlayer.hidden_norm.weight" in saved
     assert torch.equal(saved["d2t"] + torch.arange(DRAFT_VOCAB), draft.d2t) and saved["d2t"].any()
-    back = ConFuAssistant.from_pretrained(tmp_path / "eagle3", target_model=target).draft
+    back = ConFuAssistant.from_pretrained(tmp_path / "eagle3", target_model=target, draft_dtype="float32").draft
     assert back.config.feature_layers == draft.config.feature_layers
     assert back.config.layer_config == draft.config.layer_config
     for name, tensor in draft.state_dict().items():
@@ -202,11 +202,11 @@ def test_round_trip_eagle3_to_ours_and_back(tmp_path):
     target = tiny_target()
     source = write_reference(random_draft(target), target, tmp_path / "ref", bin_file=True, rope_theta=50000.0,
                              eagle_config=None)
-    first = ConFuAssistant.from_pretrained(source, target_model=target)
+    first = ConFuAssistant.from_pretrained(source, target_model=target, draft_dtype="float32")
     assert first.draft.config.layer_config["rope_parameters"]["rope_theta"] == 50000.0
     assert first.draft.config.feature_layers == [2, 2, 1]
     first.save_pretrained(tmp_path / "ours")
-    again = ConFuAssistant.from_pretrained(tmp_path / "ours", target_model=target)
+    again = ConFuAssistant.from_pretrained(tmp_path / "ours", target_model=target, draft_dtype="float32")
     again.save_pretrained(tmp_path / "back", format="eagle3")
     original = torch.load(source / "pytorch_model.bin", weights_only=True)
     exported = load_file(tmp_path / "back" / "model.safetensors")

@@ -18,7 +18,8 @@ from transformers_confu import ConFuAssistant, ConFuDraftConfig
 @pytest.fixture
 def saved(tmp_path):
     target = tiny_target()
-    assistant = ConFuAssistant.from_config(ConFuDraftConfig.for_target(target, draft_vocab_size=64), target)
+    assistant = ConFuAssistant.from_config(ConFuDraftConfig.for_target(target, draft_vocab_size=64), target,
+                                          draft_dtype="float32")
     assistant.save_pretrained(tmp_path / "draft")
     target.save_pretrained(tmp_path / "target")
     return tmp_path, assistant

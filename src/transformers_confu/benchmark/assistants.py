@@ -6,13 +6,13 @@ from ..decoding.assistant import ConFuAssistant
 
 
 def draft_assistant(model, path: str, budget: tuple[int, ...], suffix_corpus: str | None,
-                    width: str = "fixed") -> ConFuAssistant:
+                    width: str = "fixed", draft_dtype: str = "auto") -> ConFuAssistant:
     """The draft at `budget`: (depth, top_k, total_tokens) alone, (..., suffix_nodes) a hybrid tree with `suffix_corpus`;
-    `width` as in `ConFuAssistant`."""
+    `width` and `draft_dtype` as in `ConFuAssistant`."""
     depth, top_k, total, *nodes = budget
     extra = dict(suffix=suffix_corpus, suffix_nodes=nodes[0]) if nodes else dict(suffix=False)
     return ConFuAssistant.from_pretrained(path, target_model=model, depth=depth, top_k=top_k, total_tokens=total,
-                                          width=width, **extra)
+                                          width=width, draft_dtype=draft_dtype, **extra)
 
 
 def budget_name(budget: tuple[int, ...]) -> str:

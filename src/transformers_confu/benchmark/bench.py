@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from ..decoding.assistant import draft_dtype_for
 from ..decoding.suffix import SHIPPED_CORPUS
 from ..decoding.suffix_assistant import DEFAULT_TOTAL_TOKENS, SuffixAssistant
 from ..models.target import DEFAULT_DRAFT, DEFAULT_TARGET, load_target
@@ -82,7 +83,7 @@ def build_methods(model, drafts: list[str], trees: list[tuple[int, int, int]], s
                   static: dict | None = None, suffix: tuple[str, ...] = (),
                   suffix_corpus: str | Sequence[str] | None = None,
                   suffix_tokens: tuple[int, ...] = (DEFAULT_TOTAL_TOKENS,), hybrid_trees: list[tuple[int, ...]] = (),
-                  widths: tuple[str, ...] = ("fixed",)) -> list[Method]:
+                  widths: tuple[str, ...] = ("fixed",), draft_dtypes: tuple[str, ...] = ("auto",)) -> list[Method]:
     """Plain generate (the reference), with `static_baseline` plain generate with a static cache (which transformers
     compiles on CUDA), prompt lookup, transformers' assisted decoding (with `assistant_model`),
     then every draft x tree budget x loop; a ConFu draft once per `contemplate_nodes` entry ("saved": as the draft is
@@ -95,7 +96,9 @@ def build_methods(model, drafts: list[str], trees: list[tuple[int, int, int]], s
     suffix candidates of both sources in its trees, per `hybrid_trees` budget (depth, top_k, total_tokens, suffix
     nodes), named `<mode>-hybrid:<draft>:d..k..n..s..`. `widths`: the suffix and hybrid methods once per entry,
     "fixed" and/or "auto" (a per-round width, `width.py`; eager loop only; named `<method>:auto-width`).
-    Several `suffix_corpus` folders run each corpus method once per corpus, named `<method>@<corpus folder name>`."""
+    Several `suffix_corpus` folders run each corpus method once per corpus, named `<method>@<corpus folder name>`.
+    Several `draft_dtypes` ("auto", "float32", "bfloat16": `ConFuAssistant`'s `draft_dtype`) run each draft method
+    once per dtype, named `<method>@<dtype>`."""
     static = static or static_options("auto")
     corpora = [suffix_corpus] if suffix_corpus is None or isinstance(suffix_corpus, (str, Path)) else list(suffix_corpus)
     corpus_tag = {c: f"@{Path(c).name}" if len(corpora) > 1 else "" for c in corpora}
@@ -127,13 +130,15 @@ def build_methods(model, drafts: list[str], trees: list[tuple[int, int, int]], s
                         methods.append(Method(f"{name}{tag}:n{total}{WIDTH_TAGS[width]}{corpus_tag.get(corpus, '')}",
                                               _speculative(model, assistant, {**sampling, **options}), assistant))
     budgets = list(trees) + (list(hybrid_trees) if "hybrid" in suffix else [])
-    for path in drafts:
+    for path, draft_dtype in itertools.product(drafts, draft_dtypes):
+        dtype_tag = f"@{draft_dtype}" if len(draft_dtypes) > 1 else ""
         for budget in budgets:
             kind = "-hybrid" if len(budget) > 3 else ""
             for corpus, (width, width_loops) in itertools.product(
                     corpora if kind else [None], runs.items() if kind else [("fixed", loops)]):
-                assistant = draft_assistant(model, path, budget, corpus, width)
-                tree = f"{Path(path).name}:{budget_name(budget)}{WIDTH_TAGS[width]}{corpus_tag.get(corpus, '')}"
+                assistant = draft_assistant(model, path, budget, corpus, width, draft_dtype)
+                tree = (f"{Path(path).name}:{budget_name(budget)}{WIDTH_TAGS[width]}{corpus_tag.get(corpus, '')}"
+                        f"{dtype_tag}")
                 for loop in width_loops:
                     tag, options = ("", {}) if loop == "eager" else ("-static", static)
                     if not assistant.draft.config.contemplate:
@@ -407,6 +412,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "and each draft with its auto batch budget and each --trees budget, in each of --loops; tokens/s "
                         "over the batch, tau per row (prompt lookup and --contemplate-nodes are batch-1 methods: left "
                         "out)")
+    p.add_argument("--draft-dtypes", default="auto",
+                   help="the drafts' dtypes, comma-separated (several: each draft method once per dtype, named "
+                        "<method>@<dtype>): auto (the target's; bfloat16 for a float32 target on a CPU with native "
+                        "bfloat16 products), float32, bfloat16")
     p.add_argument("--kernels", choices=["onednn", "mkl"], default="onednn",
                    help="CPU linear layers: onednn (packed weights, what load_target gives) or mkl (plain F.linear)")
     p.add_argument("--out", default="results/bench", help="output path prefix (.md, .json, .png, answers/)")
@@ -470,7 +479,12 @@ def _main(args: argparse.Namespace, argv) -> dict:
         raise SystemExit(f"--width {args.width!r}: choose among fixed, auto.")
     if not set(loops) <= {"eager", "static"}:
         raise SystemExit(f"--loops {args.loops!r}: choose among eager, static.")
+    draft_dtypes = tuple(x.strip() for x in args.draft_dtypes.split(","))
+    if not set(draft_dtypes) <= {"auto", "float32", "bfloat16", "float16"}:
+        raise SystemExit(f"--draft-dtypes {args.draft_dtypes!r}: choose among auto, float32, bfloat16, float16.")
     if args.batch_size > 1:
+        if draft_dtypes != ("auto",):
+            raise SystemExit("--draft-dtypes: the batched benchmark runs the drafts in their auto dtype; leave it out.")
         if len(args.suffix_corpus) > 1:
             raise SystemExit("--suffix-corpus: one corpus with --batch-size > 1.")
         methods = batch_methods(model, args.drafts, trees, sampling,
@@ -482,7 +496,7 @@ def _main(args: argparse.Namespace, argv) -> dict:
     else:
         methods = build_methods(model, args.drafts, trees, sampling, args.prompt_lookup, nodes, assistant_model,
                                 args.static_baseline, loops, static_options(args.compile), suffix, args.suffix_corpus,
-                                tuple(int(x) for x in args.suffix_tokens.split(",")), hybrid_trees, widths)
+                                tuple(int(x) for x in args.suffix_tokens.split(",")), hybrid_trees, widths, draft_dtypes)
         records, mismatches, warmup = run_bench(model, tokenizer, methods, questions, args.max_new_tokens, args.seed,
                                                 greedy)
     table = summarize(records, greedy, mismatches)
@@ -491,7 +505,9 @@ def _main(args: argparse.Namespace, argv) -> dict:
                 if model.device.type == "cpu" else torch.cuda.get_device_name(model.device), dtype=dtype,
                 questions=len(questions),
                 question_file=args.questions or PACKAGED_QUESTIONS, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                seed=args.seed, batch_size=args.batch_size, loops=args.loops, compile=args.compile, command="confu-bench " + " ".join(argv if argv is not None else sys.argv[1:]))
+                seed=args.seed, batch_size=args.batch_size, loops=args.loops, compile=args.compile,
+                draft_dtypes={d: str(draft_dtype_for(d, model.get_input_embeddings().weight)).removeprefix("torch.")
+                              for d in draft_dtypes}, command="confu-bench " + " ".join(argv if argv is not None else sys.argv[1:]))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     answers = out.parent / f"{out.name}_answers"

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["PackedLinear", "can_pack", "pack_linear_weights", "packed_kernels", "unpack_linear_weights"]
+__all__ = ["PackedLinear", "can_pack", "native_bf16", "pack_linear_weights", "packed_kernels", "unpack_linear_weights"]
 
 # bfloat16 weights pack only where oneDNN has bf16 kernels for this CPU (AVX-512 BW/VL/DQ or AVX-NE-CONVERT);
 # elsewhere bfloat16 layers run `F.linear`.
@@ -80,6 +80,13 @@ def packed_kernels(enabled: bool) -> Iterator[None]:
 def can_pack() -> bool:
     """Whether this PyTorch build has the oneDNN linear kernels (x86 builds do)."""
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def native_bf16() -> bool:
+    """Whether this CPU multiplies bfloat16 natively (AVX-512 BF16 or AMX), where a small layer's bfloat16
+    weights are read, and so multiplied, faster than float32 ones; elsewhere oneDNN converts them."""
+    checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    return bool(PACKED_DTYPES[-1] == torch.bfloat16 and any(getattr(torch.cpu, c, lambda: False)() for c in checks))
 
 
 class PackedLinear(nn.Linear):
