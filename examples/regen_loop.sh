@@ -5,7 +5,7 @@
 #     nohup bash examples/regen_loop.sh &
 # On a fresh machine the pool is built first from PROMPTS and TRAIN (the `followup` kind from the dataset's
 # answers; `second_turn` and `third_turn`, a next request after each finished first or second answer, again at
-# each start as the dataset grows). Prompts the answers dataset (DATASET) already answers are skipped, never answered twice.
+# each start as the dataset grows; `fourth_turn` after the third answers with MAX_TURNS=4). Prompts the answers dataset (DATASET) already answers are skipped, never answered twice.
 # Rows are refilled as answers end (continuous batching); a piece stops starting prompts after MINUTES.
 # On an idle 2-core machine use THREADS=2: 64 rows ran 80 answer tokens/s there (results/regen_throughput_2threads.md);
 # or two loops of THREADS=1, each with its own ANSWERS folder, on disjoint KINDS or on disjoint parts of the same
@@ -31,7 +31,7 @@ if [[ " $KINDS " == *" followup "* && ! -f $pool/prompts_followup.jsonl ]]; then
     --prompts-dir "${PROMPTS:?set PROMPTS to the prompt files folder}"
 fi
 if [[ " $KINDS " == *"_turn "* ]]; then  # rebuilt at each start: a next request after every finished answer
-  .venv/bin/python -m transformers_confu.training.prompt_pool --out $pool --next-turns-from "$DATASET"
+  .venv/bin/python -m transformers_confu.training.prompt_pool --out $pool --next-turns-from "$DATASET" --max-turns ${MAX_TURNS:-3}
 fi
 PART=${PART:-1/1}
 [[ $PART =~ ^([0-9]+)/([0-9]+)$ ]] && (( ${BASH_REMATCH[1]} >= 1 && ${BASH_REMATCH[1]} <= ${BASH_REMATCH[2]} )) \

@@ -130,7 +130,13 @@ def test_third_turns_follow_second_answers_and_never_repeat_a_request():
     assert next_turns(rows, max_turns=2) == []
     three = _conversation([("a?", "A."), ("b?", "B."), ("c?", "C.")], "third_turn")
     not_alternating = {**rows[0], "messages": [{"role": "system", "content": "Be brief."}, *rows[0]["messages"]]}
-    assert next_turns([three, not_alternating]) == []  # three requests is the most; other layouts are left alone
+    assert next_turns([three, not_alternating]) == []  # three requests by default; other layouts are left alone
+    asked_twice = [_conversation([(f"q{i}?", "A."), (NEXT_TURN["any"][0], "B."), (NEXT_TURN["any"][1], "C.")], "third_turn")
+                   for i in range(20)]
+    fourth = next_turns([*asked_twice, not_alternating], max_turns=4)
+    assert len(fourth) == 20 and {r["kind"] for r in fourth} == {"fourth_turn"}
+    for row, request in zip(asked_twice, fourth):
+        assert request["messages"][:6] == row["messages"] and request["messages"][6]["content"] in NEXT_TURN["any"][2:]
 
 
 def test_next_turns_from_an_answers_dataset_go_to_their_own_pool_files(tmp_path):
