@@ -91,3 +91,16 @@ def test_bench_runs_corpus_methods_once_per_corpus(tmp_path):
     (tmp_path / "corpus").rename(tmp_path / "elsewhere" / "other")
     with pytest.raises(ValueError, match="share a folder name"):
         main(args + [str(tmp_path / "elsewhere" / "other"), str(tmp_path / "other")])
+
+
+def test_bench_trees_none_runs_hybrid_trees_only_and_bad_budgets_are_refused(tmp_path):
+    save_setup(tmp_path)
+    args = ["--target", str(tmp_path / "target"), "--drafts", str(tmp_path / "draft"), "--questions",
+            str(write_questions(tmp_path / "q.jsonl", n=1)), "--max-new-tokens", "6", "--prompt-lookup", "0",
+            "--suffix", "hybrid", "--suffix-corpus", str(tmp_path / "corpus"), "--hybrid-trees", "2,1,6,3",
+            "--out", str(tmp_path / "bench")]
+    summary = main(args + ["--trees", "none"])
+    assert list(summary["table"]) == ["generate", "eagle3-hybrid:draft:d2k1n6s3"]
+    assert summary["mismatches"] == {}
+    with pytest.raises(SystemExit, match="Tree budgets '2,x,3'"):
+        main(args + ["--trees", "2,x,3"])

@@ -296,24 +296,37 @@ def test_compiled_static_mode_is_exact_without_graph_breaks_or_recompiles():
     assert graphs[0] > 0 and graphs[1] == graphs[0] == graphs[2]
 
 
-def test_corpus_beside_a_draft_brings_its_hybrid_budget_unless_the_call_gives_one(tmp_path):
-    """The hybrid budget saved with a corpus (nodes, suffix candidates, the draft's top-k) is the default with that
-    corpus; a caller's values win, and the draft alone (`suffix=False`) keeps the tree saved in its config."""
+def test_corpus_beside_a_draft_brings_its_hybrid_budget_unless_the_call_gives_one(tmp_path, monkeypatch):
+    """The hybrid budget saved with a corpus (nodes, suffix candidates, the draft's top-k, its top-k when sampling)
+    is the default with that corpus; a caller's values win, and the draft alone (`suffix=False`) keeps the tree
+    saved in its config."""
+    import transformers_confu.decoding.assistant as assistant_module
+
     target, tokenizer = tiny_target(), tiny_tokenizer()
     draft = make_assistant(target).draft
     draft.config.tree_depth, draft.config.tree_top_k, draft.config.tree_total_tokens = 2, 2, 4
     draft.save_pretrained(tmp_path)
     meta = dict(tokenizer_fingerprint=tokenizer_fingerprint(tokenizer), tokenizer_name="tiny",
-                hybrid=dict(total_tokens=6, suffix_nodes=4, top_k=1))
+                hybrid=dict(total_tokens=6, suffix_nodes=4, top_k=3, sampling_top_k=1))
     CorpusIndex.build([[3, 4, 5, 6], [4, 5, 7]], meta).save_pretrained(tmp_path / SUFFIX_FOLDER)
 
     def load(**options):
         assistant = ConFuAssistant.from_pretrained(tmp_path, target_model=target, tokenizer=tokenizer, **options)
-        return assistant.budget, assistant.suffix and assistant.suffix.max_nodes
+        return assistant.budget, assistant.suffix and assistant.suffix.max_nodes, assistant.sampling_top_k
 
-    assert load() == (TreeBudget(depth=2, top_k=1, total_tokens=6), 4)
-    assert load(top_k=3, suffix_nodes=2) == (TreeBudget(depth=2, top_k=3, total_tokens=6), 2)
-    assert load(suffix=False) == (TreeBudget(depth=2, top_k=2, total_tokens=4), None)
+    assert load() == (TreeBudget(depth=2, top_k=3, total_tokens=6), 4, 1)
+    assert load(top_k=2, suffix_nodes=2) == (TreeBudget(depth=2, top_k=2, total_tokens=6), 2, None)
+    assert load(suffix=False) == (TreeBudget(depth=2, top_k=2, total_tokens=4), None, None)
+
+    drafted = []  # the top-k each call's drafter got
+    tree_drafter = assistant_module.TreeDrafter
+    monkeypatch.setattr(assistant_module, "TreeDrafter", lambda draft, depth, top_k, *rest, **kw: (
+        drafted.append(top_k), tree_drafter(draft, depth, top_k, *rest, **kw))[1])
+    assistant = ConFuAssistant.from_pretrained(tmp_path, target_model=target, tokenizer=tokenizer)
+    ids = torch.randint(3, target.config.vocab_size, (1, 9))
+    for sampling in [dict(do_sample=False), dict(do_sample=True), dict(do_sample=True, tree_top_k=2)]:
+        target.generate(ids, max_new_tokens=4, assistant_model=assistant, **sampling)
+    assert drafted == [3, 1, 2]
 
 
 def test_draft_dtype_auto_halves_only_a_float32_target_on_a_native_bfloat16_cpu(monkeypatch):

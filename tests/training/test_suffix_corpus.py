@@ -53,11 +53,12 @@ def test_command_writes_a_loadable_folder(tmp_path, monkeypatch):
     tokenizer = chat_tokenizer()
     tokenizer.save_pretrained(tmp_path / "tok")
     argv = [str(regeneration_folder(tmp_path)), "--out", str(tmp_path / "corpus"), "--tokenizer", str(tmp_path / "tok"),
-            "--hybrid-total-tokens", "8", "--hybrid-suffix-nodes", "5", "--hybrid-top-k", "1",
+            "--hybrid-total-tokens", "8", "--hybrid-suffix-nodes", "5", "--hybrid-top-k", "2", "--hybrid-sampling-top-k", "1",
             "--hybrid-chosen-by", "the fastest of two"]
     report = main(argv)
     loaded = CorpusIndex.from_pretrained(tmp_path / "corpus", tokenizer=tokenizer)
-    assert loaded.meta["hybrid"] == {"total_tokens": 8, "suffix_nodes": 5, "top_k": 1, "chosen_by": "the fastest of two"}
+    assert loaded.meta["hybrid"] == {"total_tokens": 8, "suffix_nodes": 5, "top_k": 2, "sampling_top_k": 1,
+                                     "chosen_by": "the fastest of two"}
     assert loaded.meta["sources"] == argv[:1]
     assert loaded.meta["command"].split()[:3] == ["python", "-m", "transformers_confu.training.suffix_corpus"]
     assert loaded.meta["command"].endswith("--hybrid-chosen-by 'the fastest of two'")

@@ -354,8 +354,15 @@ def run_bench(model, tokenizer, methods: list[Method], questions: list[dict], ma
     return records, dict(mismatches), warmup_seconds
 
 
-def _budgets(text: str) -> list[tuple[int, int, int]]:
-    return [tuple(int(x) for x in t.split(",")) for t in text.split(";")]
+def _budgets(text: str) -> list[tuple[int, ...]]:
+    """'d,k,n;d,k,n' -> [(d, k, n), ...]; 'none' (or nothing) -> [] (e.g. hybrid trees only)."""
+    if text.strip().lower() in ("", "none"):
+        return []
+    try:
+        return [tuple(int(x) for x in t.split(",")) for t in text.split(";")]
+    except ValueError:
+        raise SystemExit(f"Tree budgets {text!r}: integers, comma-separated within a budget and ';' between "
+                         "budgets (e.g. '2,2,4;2,3,6'), or 'none'.") from None
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -381,7 +388,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--turns", type=int, default=None, help="answer at most this many turns per question (1: first turns)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (with the losslessness check)")
-    p.add_argument("--trees", default="4,2,6", help="tree budgets 'depth,top_k,total_tokens;...'")
+    p.add_argument("--trees", default="4,2,6", help="tree budgets 'depth,top_k,total_tokens;...' ('none': no "
+                   "draft-alone trees, e.g. with --suffix hybrid)")
     p.add_argument("--auto-tree", action="store_true",
                    help="also run each draft with the budget that a calibration on this machine finds fastest")
     p.add_argument("--auto-candidates", default=AUTO_CANDIDATES, help="budgets --auto-tree chooses from "

@@ -76,6 +76,9 @@ class ConFuAssistant:
         target: the target model it drafts for.
         budget: the default tree budget (`depth`, `top_k`, `total_tokens`); a call can override it with
             `tree_depth=`, `tree_top_k=`, `tree_total_tokens=`.
+        sampling_top_k: the draft's children per node in sampling calls of the batch-1 loop that set no
+            `tree_top_k=` (None: `budget.top_k`); `from_pretrained` takes it from the hybrid budget saved with a
+            suffix corpus, where one is saved.
         stats: `SpeculativeStats` of the last `generate` call.
         adapter: ConFu's `ContemplateAdapter` for the target (drafts with `contemplate=True`), else None.
         contemplate_nodes: ConFu: how many tree nodes get a `[con]` (None: all, 0: none, i.e. the draft without
@@ -133,6 +136,7 @@ class ConFuAssistant:
             total_tokens=tree.get("total_tokens", cfg.tree_total_tokens),
         )
         self._budget_set = bool(tree)  # batches run an explicit budget as it is, else `batch_budget`'s
+        self.sampling_top_k: int | None = None
         self.stats = SpeculativeStats()
         wrap_generate(target_model)
 
@@ -156,7 +160,7 @@ class ConFuAssistant:
 
         `suffix`: True (default) uses the suffix corpus saved beside a local draft (`suffix_corpus/`), if there
         is one, with the hybrid budget saved in it (its `total_tokens`, `suffix_nodes` and, where saved, the draft's
-        `top_k`, unless the call gives them); False the draft alone; or a corpus folder / `CorpusIndex` /
+        `top_k` and `sampling_top_k`, unless the call gives them); False the draft alone; or a corpus folder / `CorpusIndex` /
         `SuffixProposer` (see `suffix.load_proposer`; the corpus is checked against `tokenizer`, default the target's).
 
         Reference-format EAGLE-3 drafts (SafeAILab/EAGLE, SpecForge: a Llama config with `draft_vocab_size`,
@@ -171,8 +175,7 @@ class ConFuAssistant:
         if suffix is not None and suffix.corpus is not None:
             hybrid = suffix.corpus.meta.get("hybrid", {})
             saved = {"total_tokens": hybrid.get("total_tokens", suffix.max_nodes + 1)}
-            if "top_k" in hybrid:
-                saved["top_k"] = hybrid["top_k"]
+            saved.update((k, hybrid[k]) for k in ("top_k", "sampling_top_k") if k in hybrid)
             suffix.max_nodes = nodes or hybrid.get("suffix_nodes", suffix.max_nodes)
         elif suffix is not None and nodes:
             suffix.max_nodes = nodes
@@ -183,6 +186,8 @@ class ConFuAssistant:
             draft = load_draft(path_or_id, **kwargs)
             adapter = load_adapter(path_or_id, **kwargs) if draft.config.contemplate else None
             assistant = cls(draft, target_model, adapter, suffix=suffix, **options)
+        if "top_k" not in options and "sampling_top_k" in saved:
+            assistant.sampling_top_k = saved.pop("sampling_top_k")
         for key, value in saved.items():  # saved defaults, not the caller's: batches follow the policy
             if key not in options:
                 setattr(assistant.budget, key, value)
@@ -249,16 +254,9 @@ class ConFuAssistant:
                                       "`ConFuAssistant.from_pretrained(draft, target_model=model)`", batched)
         use_suffix = kwargs.pop("suffix", True)
         tree_set = self._budget_set or any(f"tree_{name}" in kwargs for name in ("depth", "top_k", "total_tokens"))
-        budget = TreeBudget(
-            depth=kwargs.pop("tree_depth", self.budget.depth),
-            top_k=kwargs.pop("tree_top_k", self.budget.top_k),
-            total_tokens=kwargs.pop("tree_total_tokens", self.budget.total_tokens),
-        )
-        if min(budget.depth, budget.top_k, budget.total_tokens) < 1:
-            raise ValueError(f"Tree budget values must be >= 1, got {budget}.")
-        if budget.top_k > self.draft.config.draft_vocab_size:
-            raise ValueError(f"Tree budget top_k={budget.top_k} exceeds the draft vocabulary "
-                             f"({self.draft.config.draft_vocab_size}).")
+        top_k = kwargs.pop("tree_top_k", None)
+        depth = kwargs.pop("tree_depth", self.budget.depth)
+        total_tokens = kwargs.pop("tree_total_tokens", self.budget.total_tokens)
         tokenizer, streamer = kwargs.pop("tokenizer", None), kwargs.pop("streamer", None)
         nodes_set = self._nodes_set or "contemplate_nodes" in kwargs
         contemplate_nodes = kwargs.pop("contemplate_nodes", self.contemplate_nodes)
@@ -268,6 +266,14 @@ class ConFuAssistant:
         if future_logit_weight < 0:
             raise ValueError(f"future_logit_weight={future_logit_weight} must be >= 0 (0: off).")
         config = _generation_config(target, kwargs)
+        if top_k is None:
+            top_k = self.sampling_top_k if config.do_sample and self.sampling_top_k else self.budget.top_k
+        budget = TreeBudget(depth, top_k, total_tokens)
+        if min(budget.depth, budget.top_k, budget.total_tokens) < 1:
+            raise ValueError(f"Tree budget values must be >= 1, got {budget}.")
+        if budget.top_k > self.draft.config.draft_vocab_size:
+            raise ValueError(f"Tree budget top_k={budget.top_k} exceeds the draft vocabulary "
+                             f"({self.draft.config.draft_vocab_size}).")
         if not (nodes_set or config.do_sample or self.draft.config.contemplate_when_greedy):
             contemplate_nodes = 0
         max_new = _max_new_tokens(config, input_ids.shape[1], budget, target)

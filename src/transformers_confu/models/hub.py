@@ -129,6 +129,8 @@ def suffix_corpus_section(draft_dir: str | Path) -> list[str]:
              "node budget (`suffix=False` in `from_pretrained` or `generate` drafts alone)."]
     if hybrid:
         draft = f", the draft at top-k {hybrid['top_k']}" if "top_k" in hybrid else ""
+        if "sampling_top_k" in hybrid:
+            draft += f" ({hybrid['sampling_top_k']} when sampling)"
         lines.append(f"Default hybrid tree: {hybrid['total_tokens']} nodes, up to {hybrid['suffix_nodes']} of them "
                      f"suffix candidates{draft} "
                      f"({hybrid.get('chosen_by', 'saved with the corpus')}).")

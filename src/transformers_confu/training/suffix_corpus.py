@@ -124,6 +124,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--hybrid-suffix-nodes", type=int, default=None, help="hybrid budget: suffix candidates offered")
     p.add_argument("--hybrid-top-k", type=int, default=None,
                    help="hybrid budget: the draft's children per node (default: the draft's own saved tree's)")
+    p.add_argument("--hybrid-sampling-top-k", type=int, default=None,
+                   help="hybrid budget: the draft's children per node in sampling calls (default: --hybrid-top-k)")
     p.add_argument("--hybrid-chosen-by", default=None,
                    help="how the hybrid budget was chosen (e.g. the benchmark file), for the draft's card")
     return p.parse_args(argv)
@@ -140,8 +142,9 @@ def main(argv=None) -> dict:
     if args.hybrid_total_tokens:
         index.meta["hybrid"] = dict(total_tokens=args.hybrid_total_tokens, suffix_nodes=args.hybrid_suffix_nodes
                                     or args.hybrid_total_tokens - 1)
-        if args.hybrid_top_k is not None:
-            index.meta["hybrid"]["top_k"] = args.hybrid_top_k
+        for key in ("top_k", "sampling_top_k"):
+            if getattr(args, f"hybrid_{key}") is not None:
+                index.meta["hybrid"][key] = getattr(args, f"hybrid_{key}")
         if args.hybrid_chosen_by:
             index.meta["hybrid"]["chosen_by"] = args.hybrid_chosen_by
     index.meta["build"] = {k: v for k, v in report.items() if k != "calibration"}
