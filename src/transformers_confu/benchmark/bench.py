@@ -249,7 +249,7 @@ def summarize(records: dict[str, list[dict]], greedy: bool, mismatches: dict[str
                 sizes = [n for c in choices for n in c.get("tree_sizes", [])]
                 table[name][category].update(accepted_by_source=dict(sources), suffix_ms_per_round=1e3 * sum(
                     c["suffix_seconds"] for c in choices) / max(len(accepts), 1),
-                    nodes_per_round=sum(sizes) / max(len(sizes), 1))
+                    nodes_per_round=sum(sizes) / len(sizes) if sizes else None)  # None: batches (padded trees)
     for name in table:
         for category, cell in table[name].items():
             cell["speedup"] = cell["tokens_per_s"] / table["generate"][category]["tokens_per_s"]
@@ -281,7 +281,8 @@ def markdown(table: dict, meta: dict) -> str:
     if with_sources:
         lines += ["", "## Accepted tokens by source", "",
                   "Drafted tokens accepted (bonus tokens aside) by who proposed them: the draft, the suffix index, or both "
-                  "(the same node); suffix lookup cost per round; nodes verified per round (root included).", "",
+                  "(the same node); suffix lookup cost per round; nodes verified per round (root included; n/a: batched "
+                  "trees, padded to the budget).", "",
                   "| method | draft | suffix | both | suffix share | suffix ms/round | nodes/round |",
                   "|---|---|---|---|---|---|---|"]
         for name in with_sources:
@@ -290,7 +291,7 @@ def markdown(table: dict, meta: dict) -> str:
             total = max(sum(by.values()), 1)
             lines.append(f"| {name} | {by['draft']} | {by['suffix']} | {by['both']} | "
                          f"{(by['suffix'] + by['both']) / total:.0%} | {c['suffix_ms_per_round']:.2f} | "
-                         f"{c['nodes_per_round']:.2f} |")
+                         f"{'n/a' if c['nodes_per_round'] is None else format(c['nodes_per_round'], '.2f')} |")
     return "\n".join(lines) + "\n"
 
 
