@@ -4,7 +4,7 @@
   decoded by `generate` with the in-place growing cache until its longest answer ends;
 - `static:B`: the same with transformers' static cache (the CUDA default);
 - `refill:B` (`continuous_batching`, the default now): B rows, each refilled with the next prompt as soon as
-  its answer ends;
+  its answer ends; `refill:B:P` prefills the prompts in passes of P rows (default 8; before: all B at once);
 - the prefill rate (prompt tokens/s of one forward over a batch of B prompts) is the ceiling of any of them.
 
 The prompts are drawn from those a regeneration folder has answered already (`--answers`), so that each way's
@@ -42,12 +42,13 @@ from transformers_confu.training.regenerate import (
 
 def run_way(way: str, model, tokenizer, prompts: list[list[int]], max_new_tokens: int, eos: list[int]):
     """(answers in prompt order, seconds) of one way of batching."""
-    name, batch = way.split(":")
+    name, batch, *passes = way.split(":")
     batch = int(batch)
     start = time.perf_counter()
     if name == "refill":
         answers = {i: t for i, t, _ in stream_answers(model, prompts, max_new_tokens, eos, batch_size=batch,
-                                                      pad_token_id=tokenizer.pad_token_id)}
+                                                      pad_token_id=tokenizer.pad_token_id,
+                                                      prefill_rows=int(passes[0]) if passes else 8)}
         answers = [answers[i] for i in range(len(prompts))]
     else:
         settings = RegenerationSettings("bench", max_new_tokens=max_new_tokens)

@@ -45,8 +45,9 @@ def test_refilled_rows_answer_as_generate_alone(arch, monkeypatch):
         return keep(self, rows, start)
 
     monkeypatch.setattr(continuous_batching._Batch, "_keep", spy)
-    for batch_size, refill_rows in [(4, 1), (5, None), (8, 3), (64, None)]:
-        got = list(stream_answers(model, prompts, 30, [EOS], batch_size=batch_size, refill_rows=refill_rows))
+    for batch_size, refill_rows, prefill_rows in [(4, 1, 8), (5, None, 2), (8, 3, 3), (64, None, 8), (64, None, 64)]:
+        got = list(stream_answers(model, prompts, 30, [EOS], batch_size=batch_size, refill_rows=refill_rows,
+                                  prefill_rows=prefill_rows))
         assert sorted(i for i, _, _ in got) == list(range(len(prompts)))
         for i, tokens, ended in got:
             assert tokens == alone[i] and ended == (tokens[-1] == EOS)

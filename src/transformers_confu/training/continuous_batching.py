@@ -99,14 +99,30 @@ def left_padded(prompts: Sequence[Sequence[int]], pad_token_id: int, width: int 
     return input_ids, mask
 
 
-def _prefill(model, prompts: list[Sequence[int]], pad_token_id: int, cache: DynamicCache):
-    """Run left-padded prompts through `model` into `cache`; return their mask and last-position logits."""
-    input_ids, mask = left_padded(prompts, pad_token_id)
-    positions = (mask.long().cumsum(-1) - 1).clamp(min=0)  # as `generate` numbers left-padded rows
-    device = model.device
-    logits = model(input_ids=input_ids.to(device), attention_mask=mask.to(device), position_ids=positions.to(device),
-                   use_cache=True, logits_to_keep=1, **cache_kwargs(model, cache)).logits[:, -1]
-    return mask, logits
+def _pad_left(states: torch.Tensor, width: int) -> torch.Tensor:
+    """(B, H, T, D) keys or values with zeros before them up to `width` positions."""
+    return torch.nn.functional.pad(states, (0, 0, width - states.shape[-2], 0))
+
+
+def _prefill(model, prompts: list[Sequence[int]], pad_token_id: int, cache: DynamicCache, prefill_rows: int = 8):
+    """Run prompts through `model` into `cache`, left-padded to the longest, in passes of `prefill_rows` prompts
+    (each padded to its own longest; one pass over 64 prompts ran 4x slower a token on a CPU,
+    `results/regen_prefill_rows.md`); return their mask and last-position logits."""
+    width, device = max(map(len, prompts)), model.device
+    parts, masks, logits = [], [], []
+    for start in range(0, len(prompts), prefill_rows):
+        input_ids, mask = left_padded(prompts[start : start + prefill_rows], pad_token_id)
+        positions = (mask.long().cumsum(-1) - 1).clamp(min=0)  # as `generate` numbers left-padded rows
+        part = DynamicCache(config=model.config)
+        logits.append(model(input_ids=input_ids.to(device), attention_mask=mask.to(device),
+                            position_ids=positions.to(device), use_cache=True, logits_to_keep=1,
+                            **cache_kwargs(model, part)).logits[:, -1])
+        parts.append(part)
+        masks.append(torch.nn.functional.pad(mask, (width - mask.shape[1], 0)))
+    for index, layer in enumerate(cache.layers):  # the passes' keys and values, left-padded to `width`, as one
+        keys, values = ([_pad_left(getattr(part.layers[index], name), width) for part in parts] for name in ("keys", "values"))
+        layer.update(torch.cat(keys), torch.cat(values))
+    return torch.cat(masks), torch.cat(logits)
 
 
 def next_tokens(logits: torch.Tensor, temperature: float, top_p: float,
@@ -136,12 +152,13 @@ def stream_answers(
     refill_rows: int | None = None,
     pad_token_id: int = 0,
     stop: Callable[[], bool] | None = None,
+    prefill_rows: int = 8,
 ) -> Iterator[tuple[int, list[int], bool]]:
     """Yield `(prompt index, new token ids, ended with an EOS token)` for each of `prompts` (token ids), as
     their answers end, decoding at most `batch_size` rows at a time. Waiting prompts are prefilled once
     `refill_rows` rows (default: an eighth of the batch) are free. Sampled rows (`temperature` > 0) use a
     generator seeded with `seeds[i]` for prompt i. Once `stop()` is true no more prompts are started; the
-    running ones are finished."""
+    running ones are finished. Prompts are prefilled in passes of at most `prefill_rows`."""
     if not full_attention(model.config):
         raise ValueError("continuous batching needs a model whose layers all attend to the full context")
     if temperature > 0 and (seeds is None or len(seeds) != len(prompts)):
@@ -155,7 +172,7 @@ def stream_answers(
         if waiting and not (stop and stop()) and (batch is None or len(free) >= min(refill_rows, len(waiting))):
             taken = [waiting.popleft() for _ in range(min(len(free) if batch else batch_size, len(waiting)))]
             cache = growing_cache(model.config, reserve=max_new_tokens) if batch is None else DynamicCache(config=model.config)
-            mask, logits = _prefill(model, [prompts[i] for i in taken], pad_token_id, cache)
+            mask, logits = _prefill(model, [prompts[i] for i in taken], pad_token_id, cache, prefill_rows)
             if temperature > 0:
                 generators.update({i: torch.Generator().manual_seed(int(seeds[i])) for i in taken})
             first = next_tokens(logits, temperature, top_p, [generators.get(i) for i in taken])
