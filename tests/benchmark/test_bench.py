@@ -143,14 +143,15 @@ def test_turns_device_dtype_and_the_static_cache_baseline(tmp_path):
     assert summary["table"]["generate-static"]["overall"]["identical"] is True and summary["meta"]["dtype"] == "float32"
 
 
-def test_draft_dtypes_run_each_draft_once_per_dtype_and_are_recorded(tmp_path):
+def test_draft_dtypes_run_each_draft_once_per_dtype_and_are_recorded(tmp_path, capsys):
     save_target_and_draft(tmp_path)
     common = ["--target", str(tmp_path / "target"), "--drafts", str(tmp_path / "draft"), "--questions",
               str(write_questions(tmp_path / "q.jsonl", n=2)), "--max-new-tokens", "6", "--trees", "2,1,3",
               "--prompt-lookup", "0", "--out", str(tmp_path / "bench")]
-    summary = main(common + ["--draft-dtypes", "float32,bfloat16"])
+    summary = main(common + ["--draft-dtypes", "float32,bfloat16,float32"])  # a repeat runs once
     assert list(summary["table"]) == ["generate", "eagle3:draft:d2k1n3@float32", "eagle3:draft:d2k1n3@bfloat16"]
     assert summary["mismatches"] == {}
     assert summary["meta"]["draft_dtypes"] == {"float32": "float32", "bfloat16": "bfloat16"}
-    with pytest.raises(SystemExit, match="--draft-dtypes 'bf16'"):
-        main(common + ["--draft-dtypes", "bf16"])
+    with pytest.raises(SystemExit):  # refused before the target loads: the folder need not exist
+        main(["--target", str(tmp_path / "nowhere"), "--draft-dtypes", "bf16"])
+    assert "--draft-dtypes 'bf16': choose among auto, float32, bfloat16, float16" in capsys.readouterr().err

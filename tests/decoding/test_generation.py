@@ -344,8 +344,8 @@ def test_draft_dtype_auto_halves_only_a_float32_target_on_a_native_bfloat16_cpu(
     monkeypatch.setattr(assistant_module, "native_bf16", lambda: True)
     assert ConFuAssistant.from_config(config, target.to(torch.bfloat16)).draft.dtype == torch.bfloat16
     assert target.dtype == torch.bfloat16  # the target is never cast
-    for wrong in ["bf16", torch.long, 3]:
-        with pytest.raises(ValueError, match="use 'auto' or a floating dtype"):
+    for wrong in ["bf16", torch.long, 3, "float8_e4m3fn"]:
+        with pytest.raises(ValueError, match="use 'auto' or one of 'float32', 'bfloat16'"):
             ConFuAssistant.from_config(config, target, draft_dtype=wrong)
 
 
@@ -368,9 +368,27 @@ def test_a_draft_run_in_a_narrower_dtype_saves_its_weights_as_given(tmp_path):
     assert all(torch.equal(saved[k], v) for k, v in given.items() if k in saved) and saved["lm_head.weight"].dtype == torch.float32
     assert load_file(tmp_path / "eagle3" / "model.safetensors")["lm_head.weight"].dtype == torch.float32
     assert narrowed.draft.dtype == torch.bfloat16
+    assert narrowed.draft.rotary_emb.inv_freq.dtype == torch.float32  # frequencies are never rounded
     ids = torch.randint(0, 128, (1, 6), generator=torch.Generator().manual_seed(1))
     out = target.generate(ids, max_new_tokens=8, do_sample=False, assistant_model=narrowed)
     assert torch.equal(out, plain(target, ids, max_new_tokens=8))
+
+    # weights loaded after the assistant was built are saved as they are now (with a warning), not the stale copy
+    trained = {k: v + 0.5 if v.is_floating_point() else v for k, v in given.items()}
+    narrowed.draft.load_state_dict(trained)
+    with pytest.warns(UserWarning, match="changed after the assistant was built"):
+        narrowed.save_pretrained(tmp_path / "later")
+    saved = load_file(tmp_path / "later" / "model.safetensors")
+    assert torch.equal(saved["lm_head.weight"], trained["lm_head.weight"].to(torch.bfloat16).float())
+    # weights that bfloat16 holds exactly keep no copy and are saved as given all the same
+    exact = {k: v.to(torch.bfloat16).float() if v.is_floating_point() else v for k, v in given.items()}
+    draft = ConFuAssistant.from_config(config, target, draft_dtype="float32").draft
+    draft.load_state_dict(exact)
+    lossless = ConFuAssistant(draft, target, draft_dtype="bfloat16")
+    assert lossless._given is None
+    lossless.save_pretrained(tmp_path / "exact")
+    saved = load_file(tmp_path / "exact" / "model.safetensors")
+    assert all(torch.equal(saved[k], v) for k, v in exact.items() if k in saved)
 
 
 @pytest.mark.parametrize("kind", ["eagle3", "confu"])

@@ -10,7 +10,7 @@ import torch
 from conftest import chat_tokenizer, tiny_target
 
 from transformers_confu import ConFuAssistant
-from transformers_confu.decoding.assistant import draft_dtype_for
+from transformers_confu.decoding import assistant as assistant_module
 from transformers_confu.models.hub import model_card
 from transformers_confu.models.target import load_target
 from transformers_confu.training.regenerate import target_fingerprint
@@ -30,7 +30,8 @@ def saved_target_and_data(tmp_path, n_rows: int, extra: str = ""):
     return target, tokenizer, data
 
 
-def test_train_in_two_pieces_then_load(tmp_path):
+def test_train_in_two_pieces_then_load(tmp_path, monkeypatch):
+    monkeypatch.setattr(assistant_module, "native_bf16", lambda: False)  # "auto": the target's dtype
     target, tokenizer, data = saved_target_and_data(tmp_path, 24, extra="{not json\n")
     argv = ["--target", str(tmp_path / "target"), "--output-dir", str(tmp_path / "run"), "--data-dir", str(data),
             "--max-length", "64", "--batch-size", "4", "--draft-vocab-size", "64", "--epochs", "2",
@@ -43,8 +44,7 @@ def test_train_in_two_pieces_then_load(tmp_path):
     assert record["finished"] is True and record["global_step"] == record["max_steps"] == 12
     assert 0.9 < record["vocab_coverage"] <= 1 and "vocab_coverage" not in record["args"]
     assistant = ConFuAssistant.from_pretrained(tmp_path / "run" / "final", target_model=target)
-    auto = draft_dtype_for("auto", target.get_input_embeddings().weight)  # float32, or bfloat16 on native-bf16 CPUs
-    assert assistant.draft.lm_head.weight.dtype == auto  # moved to the run dtype on attach
+    assert assistant.draft.lm_head.weight.dtype == torch.float32  # moved to the target's dtype on attach
     ids = torch.tensor([tokenizer.apply_chat_template([{"role": "user", "content": "What is 2 + 3?"}],
                                                       add_generation_prompt=True, return_dict=True)["input_ids"]])
     ref = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=10, do_sample=False,
@@ -136,6 +136,7 @@ def test_a_bfloat16_target_on_a_cpu_trains_a_float32_draft(tmp_path, monkeypatch
     """`--target-dtype bfloat16` without `--bf16`: the target's features come in bfloat16, the draft trains
     in float32 on them, and the result decodes losslessly behind the float32 target."""
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
+    monkeypatch.setattr(assistant_module, "native_bf16", lambda: False)
     target, tokenizer, data = saved_target_and_data(tmp_path, 8)
     main(["--target", str(tmp_path / "target"), "--output-dir", str(tmp_path / "run"), "--data-dir", str(data),
           "--max-length", "64", "--batch-size", "4", "--draft-vocab-size", "64", "--max-steps", "2",
@@ -145,7 +146,7 @@ def test_a_bfloat16_target_on_a_cpu_trains_a_float32_draft(tmp_path, monkeypatch
     assert record["finished"] is True and record["args"]["target_dtype"] == "bfloat16"
     assert 0 < float(record["metrics"]["train_loss"]) < 100
     assistant = ConFuAssistant.from_pretrained(tmp_path / "run" / "final", target_model=target)
-    assert assistant.draft.fc.weight.dtype == draft_dtype_for("auto", target.get_input_embeddings().weight)
+    assert assistant.draft.fc.weight.dtype == torch.float32
     (fp32_target, _), (bf16_target, _) = (load_target(str(tmp_path / "target"), torch_dtype=d)
                                           for d in (torch.float32, torch.bfloat16))
     assert target_fingerprint(fp32_target) == target_fingerprint(target)

@@ -424,11 +424,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--draft-dtypes", default="auto",
                    help="the drafts' dtypes, comma-separated (several: each draft method once per dtype, named "
                         "<method>@<dtype>): auto (the target's; bfloat16 for a float32 target on a CPU with native "
-                        "bfloat16 products), float32, bfloat16")
+                        "bfloat16 products), float32, bfloat16, float16")
     p.add_argument("--kernels", choices=["onednn", "mkl"], default="onednn",
                    help="CPU linear layers: onednn (packed weights, what load_target gives) or mkl (plain F.linear)")
     p.add_argument("--out", default="results/bench", help="output path prefix (.md, .json, .png, answers/)")
     args = p.parse_args(argv)
+    # checked before anything loads: a typo must not cost the target's loading or a calibration
+    trees, hybrid_trees = _budgets(args.trees), _budgets(args.hybrid_trees)
+    if any(len(b) != 3 for b in trees) or any(len(b) != 4 for b in hybrid_trees):
+        p.error("--trees takes 'depth,top_k,total_tokens;...', --hybrid-trees 'depth,top_k,total_tokens,suffix_nodes;...'.")
+    args.draft_dtypes = tuple(dict.fromkeys(x.strip() for x in args.draft_dtypes.split(",")))  # repeats run once
+    if not set(args.draft_dtypes) <= {"auto", "float32", "bfloat16", "float16"}:
+        p.error(f"--draft-dtypes {','.join(args.draft_dtypes)!r}: choose among auto, float32, bfloat16, float16.")
+    if args.batch_size > 1 and args.draft_dtypes != ("auto",):
+        p.error("--draft-dtypes: the batched benchmark runs the drafts in their auto dtype; leave it out.")
     if args.batch_size > 1:
         unsupported = [flag for flag, used in (("--assistant-model", args.assistant_model),
                                                ("--auto-tree", args.auto_tree)) if used]
@@ -455,9 +464,6 @@ def _main(args: argparse.Namespace, argv) -> dict:
     greedy = args.temperature == 0
     sampling = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=args.temperature)
     trees, hybrid_trees = _budgets(args.trees), _budgets(args.hybrid_trees)
-    if any(len(b) != 3 for b in trees) or any(len(b) != 4 for b in hybrid_trees):
-        raise SystemExit("--trees takes 'depth,top_k,total_tokens;...', --hybrid-trees "
-                         "'depth,top_k,total_tokens,suffix_nodes;...'.")
     suffix = tuple(x.strip() for x in args.suffix.split(",") if x.strip())
     if not set(suffix) <= {"suffix", "suffix-corpus", "hybrid"}:
         raise SystemExit(f"--suffix {args.suffix!r}: choose among suffix, suffix-corpus, hybrid.")
@@ -488,12 +494,8 @@ def _main(args: argparse.Namespace, argv) -> dict:
         raise SystemExit(f"--width {args.width!r}: choose among fixed, auto.")
     if not set(loops) <= {"eager", "static"}:
         raise SystemExit(f"--loops {args.loops!r}: choose among eager, static.")
-    draft_dtypes = tuple(x.strip() for x in args.draft_dtypes.split(","))
-    if not set(draft_dtypes) <= {"auto", "float32", "bfloat16", "float16"}:
-        raise SystemExit(f"--draft-dtypes {args.draft_dtypes!r}: choose among auto, float32, bfloat16, float16.")
+    draft_dtypes = args.draft_dtypes
     if args.batch_size > 1:
-        if draft_dtypes != ("auto",):
-            raise SystemExit("--draft-dtypes: the batched benchmark runs the drafts in their auto dtype; leave it out.")
         if len(args.suffix_corpus) > 1:
             raise SystemExit("--suffix-corpus: one corpus with --batch-size > 1.")
         methods = batch_methods(model, args.drafts, trees, sampling,

@@ -14,6 +14,7 @@ import copy
 import functools
 import os
 import tempfile
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -113,11 +114,12 @@ class ConFuAssistant:
         draft.attach_target(target_model)
         weight = target_model.get_input_embeddings().weight
         dtype = draft_dtype_for(draft_dtype, weight)
-        # the draft is cast in place: if to a narrower dtype, its weights as given are kept for saving
-        narrower = torch.finfo(dtype).eps > torch.finfo(draft.dtype).eps
-        self._given = {k: v.detach().clone() for k, v in draft.state_dict().items()} if narrower else None
-        self._given_dtype = draft.dtype
-        self.draft = draft.to(device=weight.device, dtype=dtype).eval().requires_grad_(False)
+        # the draft is cast in place: where that rounds its weights, they are kept as given (on the host) for saving
+        self._given_dtype, state = draft.dtype, draft.state_dict()
+        lossy = dtype != draft.dtype and any(v.is_floating_point() and not torch.equal(v, v.to(dtype).to(v.dtype))
+                                            for v in state.values())
+        self._given = {k: v.detach().to("cpu", copy=True) for k, v in state.items()} if lossy else None
+        self.draft = _cast(draft, weight.device, dtype).eval().requires_grad_(False)
         if adapter is not None:
             adapter.check_target(target_model)
             adapter = adapter.to(device=weight.device, dtype=weight.dtype).eval().requires_grad_(False)
@@ -126,6 +128,7 @@ class ConFuAssistant:
             if adapter is not None:
                 pack_linear_weights(adapter)
         self.adapter = adapter
+        self._given_versions = _versions(self.draft)
         self._nodes_set = contemplate_nodes is not None
         self.contemplate_nodes = contemplate_nodes if contemplate_nodes is not None else draft.config.contemplate_nodes
         self.target, self.suffix = target_model, suffix
@@ -217,16 +220,21 @@ class ConFuAssistant:
 
     @contextlib.contextmanager
     def _as_given(self) -> Iterator[None]:
-        """The draft with its weights as given (a draft narrowed to run in bfloat16 saves its float32 weights)."""
-        if self._given is None:
-            yield
-            return
-        dtype = self.draft.dtype
-        self.draft.to(self._given_dtype).load_state_dict(self._given)
+        """The draft in the dtype it was given, with its weights as given where running it in `draft_dtype` rounded
+        them (a float32 draft run in bfloat16 saves its float32 weights), unless they were changed since."""
+        if self._given is not None and _versions(self.draft) != self._given_versions:
+            warnings.warn("The draft's weights changed after the assistant was built: saving them as they are now "
+                          f"(their {self.draft.dtype} values, in {self._given_dtype}), not as given.", stacklevel=3)
+            self._given = None
+        dtype, device = self.draft.dtype, next(self.draft.parameters()).device
+        _cast(self.draft, device, self._given_dtype)
+        if self._given is not None:
+            self.draft.load_state_dict(self._given)
         try:
             yield
         finally:
-            self.draft.to(dtype)
+            _cast(self.draft, device, dtype)
+            self._given_versions = _versions(self.draft)
 
     def push_to_hub(self, repo_id: str, model_card: str | None = None, **kwargs: Any) -> Any:
         """Upload the draft (config, safetensors, remote code, adapter) to the Hub, with `model_card` as README.md."""
@@ -354,18 +362,38 @@ def static_parts(target: PreTrainedModel, config: GenerationConfig, needed: int,
     return parts
 
 
+def _cast(draft: ConFuDraftModel, device: torch.device, dtype: torch.dtype) -> ConFuDraftModel:
+    """`draft` moved and cast in place, its rotary frequencies kept in their own dtype (float32, as transformers
+    builds them: rounded to bfloat16 they would turn far positions by up to a radian)."""
+    frequencies = {name: buffer for name, buffer in draft.named_buffers() if name.endswith("inv_freq")}
+    draft.to(device=device, dtype=dtype)
+    for name, buffer in frequencies.items():
+        module, _, attribute = name.rpartition(".")
+        setattr(draft.get_submodule(module), attribute, buffer.to(device))
+    return draft
+
+
+def _versions(module: torch.nn.Module) -> dict[str, tuple[int, int]]:
+    """Each parameter's storage and in-place version: what tells whether weights were changed."""
+    return {name: (p.data_ptr(), p._version) for name, p in module.named_parameters()}
+
+
+DRAFT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
 def draft_dtype_for(requested: torch.dtype | str, target_weight: torch.Tensor) -> torch.dtype:
     """The dtype a draft runs in: `requested` (a floating dtype or its name), or for "auto" the target's, except
     bfloat16 for a float32 target on a CPU with native bfloat16 products (`native_bf16`): the draft's weights
-    are read from memory twice a round, and half the bytes made its calls about a quarter cheaper: the draft alone
-    1.27x plain `generate` instead of 1.22x on an AVX-512 BF16 CPU, the hybrid level (docs/draft-dtype.md)."""
+    are read from memory twice a round, and half the bytes made its calls about a quarter cheaper (the draft alone
+    1.27x plain `generate` instead of 1.22x on an AVX-512 BF16 CPU; the hybrid tree as fast either way,
+    docs/draft-dtype.md)."""
     if requested == "auto":
         native = target_weight.device.type == "cpu" and target_weight.dtype == torch.float32 and native_bf16()
         return torch.bfloat16 if native else target_weight.dtype
     dtype = getattr(torch, requested, None) if isinstance(requested, str) else requested
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise ValueError(f"draft_dtype={requested!r}: use 'auto' or a floating dtype, e.g. torch.float32 or "
-                         "'bfloat16'.")
+    if dtype not in DRAFT_DTYPES:
+        raise ValueError(f"draft_dtype={requested!r}: use 'auto' or one of "
+                         f"{', '.join(repr(str(d).removeprefix('torch.')) for d in DRAFT_DTYPES)} (or the torch dtype).")
     return dtype
 
 
