@@ -189,8 +189,9 @@ class ConFuAssistant:
             draft = load_draft(path_or_id, **kwargs)
             adapter = load_adapter(path_or_id, **kwargs) if draft.config.contemplate else None
             assistant = cls(draft, target_model, adapter, suffix=suffix, **options)
-        if "top_k" not in options and "sampling_top_k" in saved:
-            assistant.sampling_top_k = saved.pop("sampling_top_k")
+        sampling_top_k = saved.pop("sampling_top_k", None)  # the assistant's, not the budget's
+        if "top_k" not in options:
+            assistant.sampling_top_k = sampling_top_k
         for key, value in saved.items():  # saved defaults, not the caller's: batches follow the policy
             if key not in options:
                 setattr(assistant.budget, key, value)
