@@ -1,4 +1,5 @@
-"""The decoding loop's caches: the uncompiled static mode's attention sees the filled positions only."""
+"""The decoding loop's caches: the uncompiled static mode's attention sees the filled positions only; a growing
+layer keeps rows and positions in one copy and writes in place after it."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from test_sampling import compiled_static
 from transformers.cache_utils import StaticLayer
 
 from transformers_confu import ConFuAssistant, ConFuDraftConfig
-from transformers_confu.utils.cache import FilledStaticLayer, key_width, keep_path, static_cache
+from transformers_confu.utils.cache import FilledStaticLayer, GrowingLayer, key_width, keep_path, static_cache
 
 
 def test_filled_static_layer_returns_and_masks_the_filled_positions_of_one_buffer():
@@ -44,3 +45,17 @@ def test_static_mode_attends_over_filled_positions_on_a_cpu_and_keeps_fixed_shap
     hook.remove()
     target.generate(ids, max_new_tokens=12, do_sample=False, assistant_model=assistant, **compiled_static())
     assert type(assistant._static["target"].cache.layers[0]) is StaticLayer
+
+
+def test_growing_layer_keeps_rows_and_positions_and_then_grows_in_place():
+    layer = GrowingLayer(reserve=4)
+    keys, values = torch.randn(3, 2, 6, 4), torch.randn(3, 2, 6, 4)
+    layer.update(keys, values)
+    layer.keep(None, -2)  # widened: two zero positions on the left
+    assert torch.equal(layer.keys[:, :, 2:], keys) and not layer.keys[:, :, :2].any() and not layer.values[:, :, :2].any()
+    layer.keep(torch.tensor([2, 0]), 3)  # rows 2 and 0, the first 3 positions cut
+    assert torch.equal(layer.keys, keys[[2, 0], :, 1:]) and torch.equal(layer.values, values[[2, 0], :, 1:])
+    buffer = layer.keys.data_ptr()
+    new = torch.randn(2, 2, 4, 4)
+    out, _ = layer.update(new, new)  # fits the spare room: written in place, no new buffer
+    assert out.data_ptr() == buffer and torch.equal(out[:, :, 5:], new) and torch.equal(out[:, :, :5], keys[[2, 0], :, 1:])

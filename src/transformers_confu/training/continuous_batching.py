@@ -16,9 +16,9 @@ from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
-from transformers.cache_utils import DynamicCache, DynamicLayer
+from transformers.cache_utils import DynamicCache
 
-from ..utils.cache import cache_kwargs, full_attention, growing_cache
+from ..utils.cache import GrowingLayer, cache_kwargs, full_attention, growing_cache
 from ..utils.greedy import greedy_ids
 
 
@@ -32,7 +32,7 @@ class _Batch:
         self.last = torch.zeros(len(prompts), dtype=torch.long)
         self.tokens: list[list[int]] = [[] for _ in prompts]
 
-    def layers(self) -> list[DynamicLayer]:
+    def layers(self) -> list[GrowingLayer]:
         return self.cache.layers
 
     @property
@@ -59,13 +59,9 @@ class _Batch:
 
     def _keep(self, rows: torch.Tensor, start: int) -> None:
         """Keep only `rows` and the cache positions from `start` on (a negative `start` pads on the left)."""
-        on_device = rows.to(self.device)
+        on_device = None if len(rows) == len(self.prompts) else rows.to(self.device)
         for layer in self.layers():
-            for name in ("keys", "values"):
-                tensor = getattr(layer, name).index_select(0, on_device)
-                if start < 0:
-                    tensor = torch.cat([tensor.new_zeros((*tensor.shape[:2], -start, tensor.shape[3])), tensor], dim=2)
-                setattr(layer, name, tensor[:, :, max(start, 0):].contiguous())
+            layer.keep(on_device, start)
         mask = self.mask.index_select(0, rows)
         self.mask = torch.cat([mask.new_zeros((len(rows), -start)), mask], 1) if start < 0 else mask[:, start:]
         self.positions, self.last = self.positions[rows], self.last[rows]

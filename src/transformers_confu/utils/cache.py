@@ -129,6 +129,22 @@ class GrowingLayer(DynamicLayer):
         self.keys, self.values = buffers[0][..., :needed, :], buffers[1][..., :needed, :]
         return self.keys, self.values
 
+    def keep(self, rows: torch.Tensor | None, start: int) -> None:
+        """Keep the batch rows `rows` (None: all of them) and the positions from `start` on; a negative `start`
+        puts `-start` zero positions before them. One copy into a new buffer with spare room (an index, a
+        concatenation and the next `update` would each copy the cache)."""
+        pad, skip = max(-start, 0), max(start, 0)
+        needed = pad + self.get_seq_length() - skip
+        buffers = []
+        for states in (self.keys, self.values):
+            kept = states[:, :, skip:] if rows is None else states[rows, :, skip:]
+            buffer = states.new_empty((kept.shape[0], kept.shape[1], needed + self.reserve, kept.shape[3]))
+            buffer[:, :, :pad] = 0  # masked out, but never garbage: a NaN there would still reach the output
+            buffer[:, :, pad:needed] = kept
+            buffers.append(buffer)
+        self._buffers = (buffers[0], buffers[1])
+        self.keys, self.values = buffers[0][:, :, :needed], buffers[1][:, :, :needed]
+
     def reset(self) -> None:
         self._buffers = None
         super().reset()
