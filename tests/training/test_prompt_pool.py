@@ -10,8 +10,10 @@ from transformers_confu.training.prompt_pool import (
     BUILDERS,
     NEXT_TURN,
     SOURCES,
+    EXPLAIN,
     SUMMARIZE,
     TRANSLATE,
+    WRITE_ABOUT,
     build_requests,
     dev_texts,
     exclude,
@@ -36,8 +38,9 @@ def _write_prompt_files(d: Path) -> None:
         (d / name).write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
 
     xquad = {"data": [{"paragraphs": [{"context": PARAGRAPH, "qas": [{"question": "Where does the Rhine flow?"}]}]}]}
-    jsonl("qed_nq_train.jsonl", [{"question_text": f"where does river {i} flow", "paragraph_text": PARAGRAPH}
-                                 for i in range(12)])
+    titles = [f"River {i % 4} (Europe)" for i in range(11)] + ["List of rivers"]
+    jsonl("qed_nq_train.jsonl", [{"question_text": f"where does river {i} flow", "paragraph_text": PARAGRAPH,
+                                  "title_text": title} for i, title in enumerate(titles)])
     jsonl("tatoeba_test_v2021-08-07_deu_eng.jsonl", [{"de": "Ich bin müde.", "en": "I am tired."}])
     jsonl("flores200_devtest_deu_eng.jsonl", [{"de": "Der Zug ist spät.", "en": "The train is late."}])
     jsonl("ntrex128_newstest2019_deu_eng.jsonl", [{"doc_id": "a", "de": f"Satz {i}.", "en": f"Sentence {i}."}
@@ -80,6 +83,21 @@ def test_every_file_becomes_requests_of_its_kind(tmp_path):
     (tmp_path / "unknown.jsonl").write_text("{}\n")
     with pytest.raises(ValueError, match="no prompt builder reads unknown.jsonl"):
         build_requests(tmp_path)
+
+
+def test_each_topic_is_written_about_or_explained_once_and_the_files_other_requests_stay(tmp_path):
+    _write_prompt_files(tmp_path)
+    requests = build_requests(tmp_path, seed=0)
+    forms = {w.format(topic=f"River {i}"): ("writing", i) for w in WRITE_ABOUT for i in range(4)}
+    forms |= {w.format(topic=f"River {i}"): ("qa", i) for w in EXPLAIN for i in range(4)}
+    topics = [r for r in requests if r["messages"][0]["content"] in forms]
+    assert sorted(forms[r["messages"][0]["content"]][1] for r in topics) == [0, 1, 2, 3]  # each title once
+    assert all(forms[r["messages"][0]["content"]][0] == r["kind"] and r["source"] == "qed_nq_train.jsonl" for r in topics)
+    assert not any("List of" in r["messages"][0]["content"] for r in requests)
+    qed = tmp_path / "qed_nq_train.jsonl"  # without titles: the file's other requests are the same, in order
+    qed.write_text("".join(json.dumps({k: v for k, v in json.loads(line).items() if k != "title_text"}) + "\n"
+                           for line in qed.read_text().splitlines()))
+    assert build_requests(tmp_path, seed=0) == [r for r in requests if r not in topics]
 
 
 def test_followups_continue_after_the_targets_own_answer(tmp_path):

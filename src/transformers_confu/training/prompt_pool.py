@@ -14,6 +14,9 @@ training files of `../shared/data/train/`; see that folder's README) and yields 
   (self-instruct seeds);
 - math_reasoning, coding, roleplay, writing: the prompts of the training files (GSM8K, GPTeacher,
   self-instruct user-oriented, UltraChat eval);
+- writing and open questions on a topic: each distinct Wikipedia article title of Natural Questions (QED) once,
+  as a piece to write (a blog post, a poem, a speech, ...; two in three) or a subject to explain (qa), in ten
+  and six phrasings (`_topics`: its own seeded generator, so the file's other requests stay as they were);
 - followup: OpenAssistant conversations whose later user turn follows the target's own earlier answer
   (`followups`: built from an answers dataset once the openers are answered);
 - second_turn, third_turn (fourth_turn with `--max-turns 4`): every finished first- (second-, third-) turn answer of
@@ -65,6 +68,19 @@ EXTRACT = ["List every person, place and organisation named in this text:\n\n{te
            "Extract all dates and numbers from the following passage, each with what it refers to.\n\n{text}",
            '{text}\n\nFrom the text above, extract the main entities as JSON with the keys "people", "places", "dates".',
            "Pull out the three most important facts from this paragraph as a bulleted list:\n\n{text}"]
+
+WRITE_ABOUT = ["Write a short blog post about {topic}.", "Write a poem about {topic}.",
+               "Write a persuasive paragraph on why everyone should know about {topic}.",
+               "Write a short story in which {topic} plays a part.", "Draft an email telling a friend about {topic}.",
+               "Write a social media post about {topic}, with a few hashtags.",
+               "Write a headline and an opening paragraph for a magazine article about {topic}.",
+               "Write a two-minute speech about {topic} for a school assembly.",
+               "Describe {topic} in one vivid paragraph.", "Write a limerick about {topic}."]
+EXPLAIN = ["Explain {topic} to someone who has never heard of it.", "What is {topic}, and why does it matter?",
+           "Give me a short overview of {topic}.", "What are the most interesting facts about {topic}?",
+           "Tell me about {topic}.", "What should a beginner know about {topic}?"]
+# files whose rows name a topic, and the field that names it (`_topics`)
+TOPIC_FIELDS = {"qed_nq_train.jsonl": "title_text"}
 
 # a user's next request after the target's answer, by the first request's kind (any kind also draws from "any")
 NEXT_TURN: dict[str, list[str]] = {
@@ -226,6 +242,21 @@ def _oasst_openers(path: Path, rng: random.Random) -> Iterator[Request]:
         yield {"messages": _opener(tree), "kind": "chat", "source": path.name}
 
 
+def _topics(path: Path, rng: random.Random) -> Iterator[Request]:
+    """Each distinct topic of `path` (an article title, its parenthesised qualifier dropped; no lists) once: a piece
+    of writing about it (two in three) or a request to explain it (qa)."""
+    seen: set[str] = set()
+    for row in read_jsonl(path):
+        topic = re.sub(r"\s*\([^)]*\)$", "", (row.get(TOPIC_FIELDS[path.name]) or "").strip())
+        if not topic or topic.startswith("List of") or topic in seen:
+            continue
+        seen.add(topic)
+        if rng.random() < 2 / 3:
+            yield _user(rng.choice(WRITE_ABOUT).format(topic=topic), "writing", path.name)
+        else:
+            yield _user(rng.choice(EXPLAIN).format(topic=topic), "qa", path.name)
+
+
 BUILDERS: dict[str, Callable[[Path, random.Random], Iterator[Request]]] = {
     "qed_nq_train.jsonl": _qed,
     "tatoeba_test_v2021-08-07_deu_eng.jsonl": _sentences,
@@ -259,6 +290,8 @@ def build_requests(prompts_dir: str | Path | None = None, train_dir: str | Path 
             if path.name not in BUILDERS:
                 raise ValueError(f"no prompt builder reads {path.name}: add one to prompt_pool.BUILDERS")
             requests += BUILDERS[path.name](path, random.Random(f"{seed}:{path.name}"))
+            if path.name in TOPIC_FIELDS:
+                requests += _topics(path, random.Random(f"{seed}:{path.name}:topics"))
     if train_dir is not None:
         files = [str(Path(train_dir) / name) for name in TRAIN_KINDS if (Path(train_dir) / name).is_file()]
         for row in load_conversations(files):
