@@ -142,7 +142,7 @@ class GrowingLayer(DynamicLayer):
             buffer[:, :, :pad] = 0  # masked out, but never garbage: a NaN there would still reach the output
             buffer[:, :, pad:needed] = kept
             buffers.append(buffer)
-        self._buffers = (buffers[0], buffers[1])
+        self._buffers = tuple(buffers)
         self.keys, self.values = buffers[0][:, :, :needed], buffers[1][:, :, :needed]
 
     def reset(self) -> None:
