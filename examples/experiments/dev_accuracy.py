@@ -9,6 +9,11 @@ separates a weak draft (low accuracy here) from an inference bug (high accuracy 
 shuffle), e.g. the newest shard, which no draft trained before it was appended has seen.
 `--by-confidence` also splits the depth-0 accuracy by the target's own top-1 probability at the predicted
 token: how much of the gap is positions where the target itself hesitates.
+`--by-source` sorts the depth-0 positions by where the target's token could come from: outside the draft
+vocabulary (no draft can propose it), the sequence itself (the two tokens before it occurred together earlier
+in prompt + answer, and the last time they were followed by it: a copy, as `--copy-weight` training counts
+it), the hybrid's suffix proposer (the shipped corpus and
+the sequence, calibrated: its best first token is it), or neither; and gives the draft's accuracy in each, and the share the draft misses but a suffix source has.
 
     python examples/experiments/dev_accuracy.py --answers results/eagle3_v2_dev_t0_answers/generate.jsonl \
         --drafts src/transformers_confu/checkpoints/smollm2-135m-instruct-eagle3 runs/my-draft/final
@@ -21,14 +26,17 @@ import json
 from pathlib import Path
 
 import datasets
+import numpy as np
 import torch
 
 from transformers_confu import ConFuDraftModel, load_target
 from transformers_confu.benchmark.questions import load_questions
+from transformers_confu.decoding.suffix import SHIPPED_CORPUS, SuffixProposer, load_proposer
 from transformers_confu.training.data import DataCollatorForDraft, tokenize_conversations
 from transformers_confu.training.ttt import (
     evaluate_ttt,
     target_hidden,
+    copy_positions,
     ttt_hidden_states,
     ttt_valid_positions,
 )
@@ -90,6 +98,41 @@ def accuracy_by_confidence(draft, passes: list[dict]) -> list[dict]:
     return table
 
 
+def best_next(proposer: SuffixProposer, context: np.ndarray) -> int:
+    """The proposer's best first continuation token of `context` (-1: no match)."""
+    firsts = [(score, path[0]) for path, score in proposer.best_paths(context).items() if len(path) == 1]
+    return max(firsts)[1] if firsts else -1
+
+
+@torch.no_grad()
+def accuracy_by_source(draft, passes: list[dict], corpus: SuffixProposer) -> list[dict]:
+    """Depth-0 full-vocabulary accuracy of `draft` per source the target's token could come from (see the
+    module docstring), with the share of positions a suffix source gets right where the draft does not."""
+    kinds, draft_right, suffix_right = [], [], []
+    for p in passes:
+        ids = p["batch"]["input_ids"]
+        hidden = ttt_hidden_states(draft, p["features"], ids, p["batch"]["attention_mask"], 1)[0]
+        draft_right += (draft.d2t[draft.logits(hidden[p["where"]]).argmax(dim=-1)] == p["top_id"]).tolist()
+        copies = copy_positions(ids, p["batch"]["attention_mask"])[p["where"][0], p["where"][1] + 2].tolist()
+        row_of, in_vocab = None, torch.isin(p["top_id"], draft.d2t).tolist()
+        columns = (*(x.tolist() for x in p["where"]), p["top_id"].tolist(), in_vocab, copies)
+        for b, t, y, drafted, copy in zip(*columns):
+            if row_of != b:  # positions come row by row, in order: the proposer follows one growing context
+                row_of, context = b, ids[b].numpy()
+                corpus.reset()
+            copy, from_corpus = copy and int(ids[b, t + 2]) == y, best_next(corpus, context[: t + 2]) == y
+            kinds.append("outside the draft vocabulary" if not drafted else
+                         "copy from the sequence" if copy else "suffix proposer" if from_corpus else "neither")
+            suffix_right.append(copy or from_corpus)
+    table = []
+    for kind in ("outside the draft vocabulary", "copy from the sequence", "suffix proposer", "neither"):
+        inside = [i for i, k in enumerate(kinds) if k == kind]
+        table.append({"source": kind, "share": len(inside) / len(kinds), "positions": len(inside),
+                      "draft_acc": float(np.mean([draft_right[i] for i in inside])) if inside else float("nan"),
+                      "missed_suffix_right": sum(suffix_right[i] and not draft_right[i] for i in inside) / len(kinds)})
+    return table
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--answers", required=True,
@@ -99,6 +142,9 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=3, help="TTT depths scored")
     p.add_argument("--by-confidence", action="store_true",
                    help="also split depth-0 accuracy by the target's top-1 probability")
+    p.add_argument("--by-source", action="store_true",
+                   help="also split depth-0 accuracy by where the target's token could come from")
+    p.add_argument("--corpus", default=None, help="with --by-source: the suffix corpus folder (default: the shipped one)")
     p.add_argument("--out", default=None, help="also write OUT.json")
     args = p.parse_args()
     target, tokenizer = load_target()
@@ -112,13 +158,21 @@ def main() -> None:
         draft.attach_target(target)
         results[path] = {k: v for k, v in evaluate_ttt(draft, target, rows, args.steps).items() if "full_acc" in k}
         print(path, {k: round(v, 3) for k, v in results[path].items()}, flush=True)
-        if args.by_confidence:
+        if args.by_confidence or args.by_source:
             layers = tuple(draft.config.feature_layers)
             passes[layers] = passes.get(layers) or target_passes(target, rows, list(layers))
+        if args.by_confidence:
             results[path]["by_confidence"] = accuracy_by_confidence(draft, passes[layers])
             for row in results[path]["by_confidence"]:
                 print(f"  target top-1 {row['target_top1']}: {100 * row['share']:.1f}% of positions, "
                       f"draft accuracy {row['draft_acc']:.3f}", flush=True)
+        if args.by_source:
+            proposer = load_proposer(args.corpus or SHIPPED_CORPUS, target, tokenizer)
+            results[path]["by_source"] = accuracy_by_source(draft, passes[layers], proposer)
+            for row in results[path]["by_source"]:
+                print(f"  {row['source']}: {100 * row['share']:.1f}% of positions, draft accuracy "
+                      f"{row['draft_acc']:.3f}; missed by the draft, right by a suffix source: "
+                      f"{100 * row['missed_suffix_right']:.1f}% of positions", flush=True)
     if args.out:
         options = [f"--{k.replace('_', '-')}" + ("" if v is True else f" {' '.join(v) if isinstance(v, list) else v}")
                    for k, v in vars(args).items() if v not in (None, False)]

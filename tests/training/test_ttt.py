@@ -10,6 +10,7 @@ from transformers import DynamicCache, PreTrainedModel
 from transformers_confu import ConFuDraftConfig, ConFuDraftModel
 from transformers_confu.training.data import DataCollatorForDraft
 from transformers_confu.training.ttt import (
+    copy_positions,
     shift_left,
     target_features_and_logits,
     ttt_attention_mask,
@@ -123,6 +124,54 @@ def test_steps_are_weighted_by_decay(setup):
     _, draft, batch, features, target_logits = setup
     loss, metrics = ttt_loss(draft, features, target_logits, **batch, steps=3, decay=0.5)
     torch.testing.assert_close(loss, sum(0.5**i * metrics[f"loss_{i}"] for i in range(3)))
+
+
+def test_copy_positions_follow_the_definition():
+    """A position copies when the two real tokens before it occurred together earlier and the token after
+    their most recent earlier occurrence is its own; checked against a loop over random rows with padding."""
+    generator = torch.Generator().manual_seed(4)
+    for _ in range(50):
+        length = int(torch.randint(1, 30, (1,), generator=generator))
+        vocab = int(torch.randint(2, 6, (1,), generator=generator))
+        ids = torch.randint(vocab, (3, length), generator=generator)
+        attention_mask = torch.ones_like(ids)
+        for row in range(3):
+            attention_mask[row, int(torch.randint(length + 1, (1,), generator=generator)) :] = 0
+        expected = torch.zeros(3, length, dtype=torch.bool)
+        for row in range(3):
+            x, real, last = ids[row].tolist(), int(attention_mask[row].sum()), {}
+            for s in range(2, real):
+                bigram = (x[s - 2], x[s - 1])
+                expected[row, s] = bigram in last and x[last[bigram]] == x[s]
+                last[bigram] = s
+        assert torch.equal(copy_positions(ids, attention_mask), expected)
+    ids = torch.tensor([[5, 6, 7, 1, 5, 6, 7, 5, 6, 8]])
+    assert copy_positions(ids, torch.ones_like(ids)).nonzero()[:, 1].tolist() == [6]  # 5 6 -> 7 again; then 8: no
+
+
+def test_copy_weight_weighs_copied_positions_in_each_step(setup):
+    """`copy_weight` W: each step's loss is the mean of the per-position cross-entropies with weight W at the
+    positions whose predicted token copies; W = 1 is the plain loss."""
+    _, draft, batch, features, target_logits = setup
+    ids = batch["input_ids"].clone()
+    ids[:, 7:10] = ids[:, 1:4]  # a repeated trigram: position 9 copies
+    batch = {**batch, "input_ids": ids}
+    plain, metrics = ttt_loss(draft, features, target_logits, **batch, steps=2, decay=0.5)
+    same, _ = ttt_loss(draft, features, target_logits, **batch, steps=2, decay=0.5, copy_weight=1.0)
+    torch.testing.assert_close(same, plain)
+    copies = copy_positions(ids, batch["attention_mask"])
+    assert copies[:, 9].all()
+    weighted, _ = ttt_loss(draft, features, target_logits, **batch, steps=2, decay=0.5, copy_weight=3.0)
+    hidden_states = ttt_hidden_states(draft, features, ids, batch["attention_mask"], 2)
+    expected = 0.0
+    for step, hidden in enumerate(hidden_states):
+        rows, cols = ttt_valid_positions(batch["attention_mask"], batch["loss_mask"], step).nonzero(as_tuple=True)
+        teacher = target_logits[rows, cols + 1 + step].float().softmax(dim=-1)
+        entropy = -(teacher * draft.logits(hidden[rows, cols]).float().log_softmax(dim=-1)).sum(dim=-1)
+        weight = 1 + 2 * copies[rows, cols + 2 + step].float()
+        expected = expected + 0.5**step * (entropy * weight).sum() / weight.sum()
+    torch.testing.assert_close(weighted, expected)
+    assert not torch.allclose(weighted, plain)
 
 
 def test_mask_picture():

@@ -180,6 +180,28 @@ def ttt_valid_positions(attention_mask: torch.Tensor, loss_mask: torch.Tensor, s
     return (teacher_is_real * target_is_trained).bool()
 
 
+def copy_positions(input_ids: torch.LongTensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """(B, T) bool: positions s whose token copies an earlier bigram's continuation: the real tokens
+    x_{s-2} x_{s-1} occurred together earlier in the row, and the token after their most recent earlier
+    occurrence is x_s. One stable sort of the rows' bigram keys, no loop (cheap on a GPU too)."""
+    batch, length = input_ids.shape
+    copies = torch.zeros(batch, length, dtype=torch.bool, device=input_ids.device)
+    if length < 4:
+        return copies
+    ids, real = input_ids.long(), attention_mask.bool()
+    vocab = int(ids.max()) + 1
+    rows = torch.arange(batch, device=ids.device)[:, None]
+    key = (rows * vocab + ids[:, :-2]) * vocab + ids[:, 1:-1]  # (B, T-2): the bigram before s = 2 .. T-1
+    unique = -1 - torch.arange(key.numel(), device=ids.device).view_as(key)  # a bigram with padding matches nothing
+    key = torch.where(real[:, :-2] & real[:, 1:-1], key, unique)
+    order = torch.sort(key.flatten(), stable=True).indices  # equal bigrams in position order
+    same = key.flatten()[order[1:]] == key.flatten()[order[:-1]]
+    later, earlier = order[1:][same], order[:-1][same]  # flat (row, s - 2) of a bigram and of its last occurrence
+    row, s, s_before = later // (length - 2), later % (length - 2) + 2, earlier % (length - 2) + 2
+    copies[row, s] = (ids[row, s] == ids[row, s_before]) & real[row, s]
+    return copies
+
+
 class Teacher(NamedTuple):
     """The teacher of every TTT step, computed once: `probs` (N, D) the fp32 softmax of the target's
     draft-vocabulary logits and `ids` (N,) their greedy token, at the N positions some step reads; `slot`
@@ -212,6 +234,7 @@ def ttt_loss(
     decay: float = 0.8,
     future: Future | None = None,
     target_ids: torch.LongTensor | None = None,
+    copy_weight: float = 1.0,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The EAGLE-3 TTT loss: sum over steps i of decay**i * mean soft cross-entropy at step i.
 
@@ -224,6 +247,8 @@ def ttt_loss(
         decay: weight of step i is decay**i.
         future: ConFu's future vectors at the anchors and which positions see them (None: EAGLE-3).
         target_ids: (B, T) the target's greedy token over its full vocabulary (`target_argmax`), for `full_acc_i`.
+        copy_weight: the weight, in each step's weighted mean, of positions whose predicted token copies an
+            earlier bigram's continuation (`copy_positions`); 1 weighs every position alike.
 
     Returns:
         `(loss, metrics)`; metrics hold detached scalars per step i: `loss_i` (unweighted mean
@@ -234,6 +259,7 @@ def ttt_loss(
     head = _unwrap(draft)
     hidden_states = ttt_hidden_states(draft, features, input_ids, attention_mask, steps, future)
     teacher = ttt_teacher(target_logits, loss_mask, attention_mask)
+    copies = None if copy_weight == 1 else copy_positions(input_ids, attention_mask)
     loss = torch.zeros((), device=features.device)
     metrics: dict[str, torch.Tensor] = {}
     for step, hidden in enumerate(hidden_states):
@@ -241,8 +267,13 @@ def ttt_loss(
         logits = head.logits(hidden[rows, cols]).float()  # the LM head only where there is a loss
         slot = teacher.slot[rows, cols + 1 + step]
         count = max(len(rows), 1)
-        step_loss = F.cross_entropy(logits, teacher.probs[slot], reduction="sum") / count  # soft labels
-        loss = loss + decay**step * step_loss
+        entropy = F.cross_entropy(logits, teacher.probs[slot], reduction="none")  # soft labels
+        step_loss = entropy.sum() / count
+        if copies is None:
+            loss = loss + decay**step * step_loss
+        else:
+            weight = torch.where(copies[rows, cols + 2 + step], copy_weight, 1.0)
+            loss = loss + decay**step * (entropy * weight).sum() / weight.sum().clamp(min=1)
         drafted = greedy_ids(logits.detach())
         correct = (drafted == teacher.ids[slot]).sum()
         metrics[f"loss_{step}"] = step_loss.detach()
