@@ -1,10 +1,7 @@
-"""The learning rate (and the copy weight) for continuing a trained draft on new answers, at equal steps on the
-same rows.
+"""The learning rate for continuing a trained draft on new answers, at equal steps on the same rows.
 
 Every variant continues the same draft (`--init-from`) with `confu-train` for the same steps, seed and rows
-(the same batches in the same order), differing only in the peak learning rate (warm-up, then cosine to 0) or,
-with several `--copy-weights`, in the loss weight of copied tokens (`confu-train --copy-weight`): one variant per
-pair.
+(the same batches in the same order), differing only in the peak learning rate (warm-up, then cosine to 0).
 Each is then scored, with the starting draft, on answers none of them trained on (`--eval-data`, e.g. the
 dataset's newest shard when `--train-data` names the older ones): the TTT accuracy against the target's
 greedy token over its full vocabulary at each depth, and the paired difference to the first variant with a
@@ -31,9 +28,8 @@ from transformers_confu import ConFuDraftModel, load_target
 from transformers_confu.training.ttt import evaluate_ttt
 
 
-def train_argv(args: argparse.Namespace, lr: str, copy_weight: str, out: Path) -> list[str]:
+def train_argv(args: argparse.Namespace, lr: str, out: Path) -> list[str]:
     return ["--output-dir", str(out), "--data", *args.train_data, "--init-from", args.init_from,
-            "--copy-weight", copy_weight,
             "--ttt-steps", str(args.ttt_steps), "--batch-size", "8", "--max-steps", str(args.steps),
             "--max-length", "768", "--lr", lr, "--warmup-steps", "10", "--save-minutes", "10",
             "--save-dtype", "float32", "--seed", str(args.seed), "--bf16", "--target-dtype", args.target_dtype]
@@ -75,7 +71,6 @@ def main() -> None:
     p.add_argument("--eval-data", nargs="+", required=True, help="answers no variant trains on")
     p.add_argument("--eval-rows", type=int, default=128)
     p.add_argument("--lrs", default="2e-4,8e-4", help="peak learning rates; the first is the reference")
-    p.add_argument("--copy-weights", default="1", help="loss weights of copied tokens; the first is the reference")
     p.add_argument("--steps", type=int, default=120)
     p.add_argument("--ttt-steps", type=int, default=5)
     p.add_argument("--eval-depths", type=int, default=3)
@@ -84,29 +79,25 @@ def main() -> None:
     p.add_argument("--runs", default="runs/lr_ablation")
     p.add_argument("--out", required=True, help="writes OUT.md and OUT.json")
     args = p.parse_args()
-    runs, weights = Path(args.runs), args.copy_weights.split(",")
-    variants = {f"lr {lr}" + ("" if weights == ["1"] else f", copy weight {w}"): (lr, w)
-                for lr in args.lrs.split(",") for w in weights}
-    folders = {name: runs / (f"lr{lr}" + ("" if w == "1" else f"-copy{w}")) for name, (lr, w) in variants.items()}
+    runs, lrs = Path(args.runs), args.lrs.split(",")
     seconds = {}
-    for name, (lr, w) in variants.items():
-        record = folders[name] / "final" / "training_record.json"
+    for lr in lrs:
+        out = runs / f"lr{lr}"
+        record = out / "final" / "training_record.json"
         if not (record.is_file() and json.loads(record.read_text())["finished"]):
-            subprocess.run([sys.executable, "-m", "transformers_confu.training.train",
-                            *train_argv(args, lr, w, folders[name])], check=True)
-        seconds[name] = json.loads(record.read_text())["seconds_this_piece"]
+            subprocess.run([sys.executable, "-m", "transformers_confu.training.train", *train_argv(args, lr, out)],
+                           check=True)
+        seconds[lr] = json.loads(record.read_text())["seconds_this_piece"]
     target, tokenizer = load_target()  # scored with the float32 target that decodes
     rows = shard_rows(args.eval_data, tokenizer, args.eval_rows)
     depths = args.eval_depths
     scores = {"start": per_row_scores(args.init_from, target, rows, depths)}
-    for name, folder in folders.items():
-        scores[name] = per_row_scores(str(folder / "final"), target, rows, depths)
+    for lr in lrs:
+        scores[lr] = per_row_scores(str(runs / f"lr{lr}" / "final"), target, rows, depths)
     results = {name: summary(s, rows, depths) for name, s in scores.items()}
-    reference, *others = variants
-    for name in others:
+    for lr in lrs[1:]:
         for i in range(depths):
-            results[name][f"diff_{i}"], results[name][f"half_width_{i}"] = paired(scores[reference], scores[name],
-                                                                                rows, i)
+            results[lr][f"diff_{i}"], results[lr][f"half_width_{i}"] = paired(scores[lrs[0]], scores[lr], rows, i)
     command = "python examples/experiments/ablate_lr.py " + " ".join(
         f"--{k.replace('_', '-')} {' '.join(v) if isinstance(v, list) else v}" for k, v in vars(args).items()
         if k != "runs")
@@ -114,21 +105,20 @@ def main() -> None:
     Path(args.out).with_suffix(".json").write_text(json.dumps(
         {"command": command, "eval_rows": len(rows), "eval_positions": scored, "train_seconds": seconds,
          "results": results}, indent=2))
-    title = "Learning rate" + ("" if weights == ["1"] else " and copy weight")
-    md = [f"# {title} for continuing a draft\n\n`{command}`\n",
+    md = [f"# Learning rate for continuing a draft\n\n`{command}`\n",
           f"Each variant continues `{args.init_from}` for {args.steps} steps of 8 rows (the same batches, seed "
           f"{args.seed}, TTT {args.ttt_steps}, 10 warm-up steps, cosine to 0, `--bf16 --target-dtype "
           f"{args.target_dtype}`), then is scored on {len(rows)} rows of `{' '.join(args.eval_data)}` that no "
           f"variant trained on ({scored:,} depth-0 positions, float32 target). `full acc i`: the draft's token equals "
-          f"the target's greedy token (full vocabulary) at TTT depth i; `vs {reference}`: the paired difference, "
+          f"the target's greedy token (full vocabulary) at TTT depth i; `vs {lrs[0]}`: the paired difference, "
           "95% interval over the rows.\n",
           "| draft | " + " | ".join(f"full acc {i}" for i in range(depths)) + " | "
-          + " | ".join(f"vs {reference}, depth {i}" for i in range(depths)) + " | train s |",
+          + " | ".join(f"vs {lrs[0]}, depth {i}" for i in range(depths)) + " | train s |",
           "|---" * (2 + 2 * depths) + "|"]
     for name, r in results.items():
         diffs = [f"{r[f'diff_{i}']:+.4f} +- {r[f'half_width_{i}']:.4f}" if f"diff_{i}" in r else ""
                  for i in range(depths)]
-        label = "start (no training)" if name == "start" else name
+        label = "start (no training)" if name == "start" else f"lr {name}"
         md.append(f"| {label} | " + " | ".join(f"{r[f'full_acc_{i}']:.4f}" for i in range(depths)) + " | "
                   + " | ".join(diffs) + f" | {seconds.get(name, 0):.0f} |")
     Path(args.out).with_suffix(".md").write_text("\n".join(md) + "\n")

@@ -11,9 +11,9 @@ shuffle), e.g. the newest shard, which no draft trained before it was appended h
 token: how much of the gap is positions where the target itself hesitates.
 `--by-source` sorts the depth-0 positions by where the target's token could come from: outside the draft
 vocabulary (no draft can propose it), the sequence itself (the two tokens before it occurred together earlier
-in prompt + answer, and the last time they were followed by it: a copy, as `--copy-weight` training counts
-it), the hybrid's suffix proposer (the shipped corpus and
-the sequence, calibrated: its best first token is it), or neither; and gives the draft's accuracy in each, and the share the draft misses but a suffix source has.
+in prompt + answer, and the last time they were followed by it: a copy, `ttt.copy_positions`), the hybrid's
+suffix proposer (the shipped corpus and the sequence, calibrated: its best first token is it), or neither;
+and gives the draft's accuracy in each and the share of positions the draft misses but a suffix source has.
 
     python examples/experiments/dev_accuracy.py --answers results/eagle3_v2_dev_t0_answers/generate.jsonl \
         --drafts src/transformers_confu/checkpoints/smollm2-135m-instruct-eagle3 runs/my-draft/final

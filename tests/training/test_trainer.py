@@ -224,9 +224,3 @@ def test_two_process_ddp_training(tmp_path):
     assert checkpoint_problem(tmp_path / "checkpoint-3") is None  # both ranks wrote, then it was renamed
     assert (tmp_path / "weights_in_sync").read_text() == "world_size=2 in_sync=True"
     ConFuDraftModel.from_pretrained(tmp_path / "checkpoint-3")
-
-
-@pytest.mark.parametrize("weight", [0.0, -1.0])
-def test_copy_weight_must_be_positive(tmp_path, weight):
-    with pytest.raises(ValueError, match=f"copy_weight={weight} must be > 0"):
-        ConFuTrainingArguments(output_dir=str(tmp_path), copy_weight=weight)

@@ -149,31 +149,6 @@ def test_copy_positions_follow_the_definition():
     assert copy_positions(ids, torch.ones_like(ids)).nonzero()[:, 1].tolist() == [6]  # 5 6 -> 7 again; then 8: no
 
 
-def test_copy_weight_weighs_copied_positions_in_each_step(setup):
-    """`copy_weight` W: each step's loss is the mean of the per-position cross-entropies with weight W at the
-    positions whose predicted token copies; W = 1 is the plain loss."""
-    _, draft, batch, features, target_logits = setup
-    ids = batch["input_ids"].clone()
-    ids[:, 7:10] = ids[:, 1:4]  # a repeated trigram: position 9 copies
-    batch = {**batch, "input_ids": ids}
-    plain, metrics = ttt_loss(draft, features, target_logits, **batch, steps=2, decay=0.5)
-    same, _ = ttt_loss(draft, features, target_logits, **batch, steps=2, decay=0.5, copy_weight=1.0)
-    torch.testing.assert_close(same, plain)
-    copies = copy_positions(ids, batch["attention_mask"])
-    assert copies[:, 9].all()
-    weighted, _ = ttt_loss(draft, features, target_logits, **batch, steps=2, decay=0.5, copy_weight=3.0)
-    hidden_states = ttt_hidden_states(draft, features, ids, batch["attention_mask"], 2)
-    expected = 0.0
-    for step, hidden in enumerate(hidden_states):
-        rows, cols = ttt_valid_positions(batch["attention_mask"], batch["loss_mask"], step).nonzero(as_tuple=True)
-        teacher = target_logits[rows, cols + 1 + step].float().softmax(dim=-1)
-        entropy = -(teacher * draft.logits(hidden[rows, cols]).float().log_softmax(dim=-1)).sum(dim=-1)
-        weight = 1 + 2 * copies[rows, cols + 2 + step].float()
-        expected = expected + 0.5**step * (entropy * weight).sum() / weight.sum()
-    torch.testing.assert_close(weighted, expected)
-    assert not torch.allclose(weighted, plain)
-
-
 def test_mask_picture():
     attention_mask = torch.tensor([[1, 1, 1, 0]])
     allowed = ttt_attention_mask(attention_mask, step=2, dtype=torch.float32)[0, 0] == 0

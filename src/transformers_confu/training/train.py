@@ -123,8 +123,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--contemplate-lr-scale", type=float, default=10.0,
                    help="ConFu: learning-rate multiplier of the adapter and [f] MoE (fresh modules)")
     p.add_argument("--ttt-steps", type=int, default=None, help="training-time-test depth (default: the --tree depth + 1)")
-    p.add_argument("--copy-weight", type=float, default=1.0,
-                   help="loss weight of positions whose token copies an earlier bigram's continuation (1: off)")
     p.add_argument("--epochs", type=float, default=1.0)
     p.add_argument("--max-steps", type=int, default=-1,
                    help="train exactly this many optimizer steps (overrides --epochs; the data repeats if needed)")
@@ -262,8 +260,7 @@ def main(argv: list[str] | None = None) -> None:
         dataset = build_feature_cache(dataset, target, draft.config.feature_layers, args.feature_cache,
                                       max_minutes=args.feature_cache_minutes)
     training_args = ConFuTrainingArguments(
-        output_dir=args.output_dir, ttt_steps=args.ttt_steps, copy_weight=args.copy_weight,
-        max_minutes=args.max_minutes,
+        output_dir=args.output_dir, ttt_steps=args.ttt_steps, max_minutes=args.max_minutes,
         anchor_ratio=args.anchor_ratio, replication_window=args.replication_window, route_lag=args.route_lag,
         future_token_weight=args.future_token_weight, freeze_draft=args.freeze_draft,
         contemplate_lr_scale=args.contemplate_lr_scale,

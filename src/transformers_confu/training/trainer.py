@@ -180,7 +180,6 @@ class ConFuTrainer(Trainer):
                 model, features, teacher_logits(self.target_model, last_hidden, draft.d2t), input_ids,
                 inputs["loss_mask"], attention_mask, steps=self.args.ttt_steps, decay=self.args.ttt_decay,
                 future=future if draft.config.has_future_entry else None, target_ids=target_ids,
-                copy_weight=self.args.copy_weight,
             )
         if future is not None and self.args.future_token_weight > 0:
             aux, accuracy, count = future_token_loss(self.target_model, future, target_ids, attention_mask, draft.d2t)

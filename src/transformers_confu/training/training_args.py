@@ -19,10 +19,6 @@ class ConFuTrainingArguments(TrainingArguments):
 
     ttt_steps: int = field(default=4, metadata={"help": "Number of training-time-test steps the draft is unrolled."})
     ttt_decay: float = field(default=0.8, metadata={"help": "The loss of TTT step i is weighted ttt_decay**i."})
-    copy_weight: float = field(
-        default=1.0, metadata={"help": "Loss weight of positions whose token copies an earlier bigram's continuation "
-                               "(`ttt.copy_positions`), against 1 for the others (1: off)."}
-    )
     anchor_ratio: float = field(
         default=0.1, metadata={"help": "ConFu: fraction of positions per sequence given a [con] anchor."}
     )
@@ -61,8 +57,6 @@ class ConFuTrainingArguments(TrainingArguments):
             raise ValueError(f"ttt_steps={self.ttt_steps} must be >= 1.")
         if self.ttt_decay <= 0:
             raise ValueError(f"ttt_decay={self.ttt_decay} must be > 0.")
-        if self.copy_weight <= 0:
-            raise ValueError(f"copy_weight={self.copy_weight} must be > 0.")
         if not 0 < self.anchor_ratio <= 1:
             raise ValueError(f"anchor_ratio={self.anchor_ratio} must be in (0, 1].")
         if self.contemplate_lr_scale <= 0:

@@ -183,7 +183,8 @@ def ttt_valid_positions(attention_mask: torch.Tensor, loss_mask: torch.Tensor, s
 def copy_positions(input_ids: torch.LongTensor, attention_mask: torch.Tensor) -> torch.Tensor:
     """(B, T) bool: positions s whose token copies an earlier bigram's continuation: the real tokens
     x_{s-2} x_{s-1} occurred together earlier in the row, and the token after their most recent earlier
-    occurrence is x_s. One stable sort of the rows' bigram keys, no loop (cheap on a GPU too)."""
+    occurrence is x_s. One stable sort of the rows' bigram keys, no loop. The draft's weakest class of tokens
+    (results/draft_misses_by_source.md): `examples/experiments/dev_accuracy.py --by-source` scores it."""
     batch, length = input_ids.shape
     copies = torch.zeros(batch, length, dtype=torch.bool, device=input_ids.device)
     if length < 4:
@@ -234,7 +235,6 @@ def ttt_loss(
     decay: float = 0.8,
     future: Future | None = None,
     target_ids: torch.LongTensor | None = None,
-    copy_weight: float = 1.0,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The EAGLE-3 TTT loss: sum over steps i of decay**i * mean soft cross-entropy at step i.
 
@@ -247,8 +247,6 @@ def ttt_loss(
         decay: weight of step i is decay**i.
         future: ConFu's future vectors at the anchors and which positions see them (None: EAGLE-3).
         target_ids: (B, T) the target's greedy token over its full vocabulary (`target_argmax`), for `full_acc_i`.
-        copy_weight: the weight, in each step's weighted mean, of positions whose predicted token copies an
-            earlier bigram's continuation (`copy_positions`); 1 weighs every position alike.
 
     Returns:
         `(loss, metrics)`; metrics hold detached scalars per step i: `loss_i` (unweighted mean
@@ -259,7 +257,6 @@ def ttt_loss(
     head = _unwrap(draft)
     hidden_states = ttt_hidden_states(draft, features, input_ids, attention_mask, steps, future)
     teacher = ttt_teacher(target_logits, loss_mask, attention_mask)
-    copies = None if copy_weight == 1 else copy_positions(input_ids, attention_mask)
     loss = torch.zeros((), device=features.device)
     metrics: dict[str, torch.Tensor] = {}
     for step, hidden in enumerate(hidden_states):
@@ -267,13 +264,8 @@ def ttt_loss(
         logits = head.logits(hidden[rows, cols]).float()  # the LM head only where there is a loss
         slot = teacher.slot[rows, cols + 1 + step]
         count = max(len(rows), 1)
-        entropy = F.cross_entropy(logits, teacher.probs[slot], reduction="none")  # soft labels
-        step_loss = entropy.sum() / count
-        if copies is None:
-            loss = loss + decay**step * step_loss
-        else:
-            weight = torch.where(copies[rows, cols + 2 + step], copy_weight, 1.0)
-            loss = loss + decay**step * (entropy * weight).sum() / weight.sum().clamp(min=1)
+        step_loss = F.cross_entropy(logits, teacher.probs[slot], reduction="sum") / count  # soft labels
+        loss = loss + decay**step * step_loss
         drafted = greedy_ids(logits.detach())
         correct = (drafted == teacher.ids[slot]).sum()
         metrics[f"loss_{step}"] = step_loss.detach()
