@@ -34,9 +34,9 @@ from transformers_confu.benchmark.questions import load_questions
 from transformers_confu.decoding.suffix import SHIPPED_CORPUS, SuffixProposer, load_proposer
 from transformers_confu.training.data import DataCollatorForDraft, tokenize_conversations
 from transformers_confu.training.ttt import (
+    copy_positions,
     evaluate_ttt,
     target_hidden,
-    copy_positions,
     ttt_hidden_states,
     ttt_valid_positions,
 )
@@ -116,11 +116,12 @@ def accuracy_by_source(draft, passes: list[dict], corpus: SuffixProposer) -> lis
         copies = copy_positions(ids, p["batch"]["attention_mask"])[p["where"][0], p["where"][1] + 2].tolist()
         row_of, in_vocab = None, torch.isin(p["top_id"], draft.d2t).tolist()
         columns = (*(x.tolist() for x in p["where"]), p["top_id"].tolist(), in_vocab, copies)
-        for b, t, y, drafted, copy in zip(*columns):
+        for b, t, y, drafted, repeats in zip(*columns):
             if row_of != b:  # positions come row by row, in order: the proposer follows one growing context
                 row_of, context = b, ids[b].numpy()
                 corpus.reset()
-            copy, from_corpus = copy and int(ids[b, t + 2]) == y, best_next(corpus, context[: t + 2]) == y
+            # a copy counts when the copied token is also the target's greedy token there
+            copy, from_corpus = repeats and int(ids[b, t + 2]) == y, best_next(corpus, context[: t + 2]) == y
             kinds.append("outside the draft vocabulary" if not drafted else
                          "copy from the sequence" if copy else "suffix proposer" if from_corpus else "neither")
             suffix_right.append(copy or from_corpus)
