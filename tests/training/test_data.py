@@ -281,8 +281,19 @@ def test_remap_draft_vocab_keeps_trained_rows_and_maps_new_ones():
     position = {token: i for i, token in enumerate(draft.d2t.tolist())}
     new = list(range(0, 32, 2))
     assert torch.allclose(draft.lm_head.weight[[position[t] for t in new]], rows[new] @ mapping, atol=1e-3)
-    with pytest.raises(ValueError, match="Expected 64 target ids"):
-        remap_draft_vocab(draft, new_vocab[:10], target)
+    # a larger vocabulary widens the head: every token keeps its row, the 16 added ones are mapped
+    wider = torch.cat([draft.d2t, torch.arange(1, 33, 2)]).sort().values
+    kept_rows = dict(zip(draft.d2t.tolist(), draft.lm_head.weight.detach().clone()))
+    assert remap_draft_vocab(draft, wider, target, ridge=1e-6) == 16
+    assert draft.config.draft_vocab_size == 80 and draft.lm_head.weight.shape == (80, rows.shape[1])
+    assert draft.d2t.tolist() == wider.tolist() and draft.t2d.sum() == 80 and draft.logits(hidden).shape == (3, 80)
+    position = {token: i for i, token in enumerate(draft.d2t.tolist())}
+    for token, row in kept_rows.items():
+        assert torch.equal(draft.lm_head.weight[position[token]], row)
+    assert torch.allclose(draft.lm_head.weight[[position[t] for t in range(1, 33, 2)]], rows[1:33:2] @ mapping,
+                          atol=1e-3)
+    with pytest.raises(ValueError, match="distinct target ids"):
+        remap_draft_vocab(draft, torch.tensor([3, 3, 5]), target)
 
 
 def test_collator_right_pads():

@@ -183,5 +183,16 @@ def test_recount_vocab_counts_the_new_data(tmp_path, caplog):
     ref = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=10, do_sample=False,
                           pad_token_id=0)
     assert torch.equal(target.generate(ids, max_new_tokens=10, do_sample=False, assistant_model=assistant), ref)
+    # a larger --draft-vocab-size widens the head: saved, loaded and decoding losslessly at its new size
+    main(common[:6] + ["--draft-vocab-size", "40", "--ttt-steps", "2", "--warmup-steps", "1", "--max-steps", "1",
+                       "--output-dir", str(tmp_path / "wider"), "--data-dir", str(other),
+                       "--init-from", str(tmp_path / "second" / "final"), "--recount-vocab"])
+    wider = ConFuAssistant.from_pretrained(tmp_path / "wider" / "final", target_model=target)
+    assert wider.draft.config.draft_vocab_size == 40 and wider.draft.lm_head.weight.shape[0] == 40
+    assert set(assistant.draft.d2t.tolist()) < set(wider.draft.d2t.tolist())
+    assert torch.equal(target.generate(ids, max_new_tokens=10, do_sample=False, assistant_model=wider), ref)
     with pytest.raises(SystemExit):
         parse_args(["--output-dir", "x", "--data-dir", str(data), "--recount-vocab"])
+    with pytest.raises(SystemExit, match="add --recount-vocab to resize it"):
+        main(common[:6] + ["--draft-vocab-size", "32", "--output-dir", str(tmp_path / "refused"), "--data-dir",
+                           str(other), "--init-from", str(tmp_path / "wider" / "final")])

@@ -108,13 +108,16 @@ def build_draft_vocab(dataset: datasets.Dataset, draft_vocab_size: int, vocab_si
 
 
 def remap_draft_vocab(draft, draft_to_target: torch.Tensor, target, ridge: float = 1.0) -> int:
-    """Give a trained `draft` the vocabulary `draft_to_target` (e.g. `build_draft_vocab` counted on new data)
-    without losing what its LM head learned: tokens it already had keep their trained rows; a new token's row
-    is the target's output-embedding row mapped into the draft's head space by the ridge least-squares linear
-    map fitted on the kept tokens (a trained head is far from the target's rows, but close to a linear map of
-    them: held-out cosine 0.86 on the shipped draft). Returns the number of new tokens."""
-    if draft_to_target.numel() != draft.config.draft_vocab_size:
-        raise ValueError(f"Expected {draft.config.draft_vocab_size} target ids, got {draft_to_target.numel()}.")
+    """Give a trained `draft` the vocabulary `draft_to_target` (e.g. `build_draft_vocab` counted on new data, of
+    its size or another: the LM head is resized to it) without losing what its LM head learned: tokens it already
+    had keep their trained rows; a new token's row is the target's output-embedding row mapped into the draft's
+    head space by the ridge least-squares linear map fitted on the kept tokens (a trained head is far from the
+    target's rows, but close to a linear map of them: held-out cosine 0.86 on the shipped draft). Returns the
+    number of new tokens."""
+    size = draft_to_target.numel()
+    if size == 0 or size > draft.config.vocab_size or draft_to_target.unique().numel() != size:
+        raise ValueError(f"Expected between 1 and {draft.config.vocab_size} distinct target ids, got {size} "
+                         f"({draft_to_target.unique().numel()} distinct).")
     head = draft.lm_head.weight
     target_rows = target.get_output_embeddings().weight.detach().to(head.device, torch.float32)
     new_ids = draft_to_target.to(head.device)
@@ -128,7 +131,11 @@ def remap_draft_vocab(draft, draft_to_target: torch.Tensor, target, ridge: float
         mapping = torch.linalg.solve(gram, known.T @ head.float())
         weight = target_rows[new_ids] @ mapping
         weight[kept] = head[rows[kept]].float()
-        head.copy_(weight.to(head.dtype))
+        if size != draft.config.draft_vocab_size:  # a head (and d2t) of the new size
+            draft.lm_head = torch.nn.Linear(head.shape[1], size, bias=False, device=head.device, dtype=head.dtype)
+            draft.d2t = torch.zeros(size, dtype=draft.d2t.dtype, device=draft.d2t.device)
+            draft.config.draft_vocab_size = size
+        draft.lm_head.weight.copy_(weight.to(head.dtype))
     draft.set_vocab_map(new_ids)
     return int((~kept).sum())
 

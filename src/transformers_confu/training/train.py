@@ -81,8 +81,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--regenerate-batch-size", type=int, default=64)
     p.add_argument("--regenerate-max-new-tokens", type=int, default=256)
     p.add_argument("--regenerate-temperature", type=float, default=0.0, help="0: greedy answers")
-    p.add_argument("--draft-vocab-size", type=int, default=8192,
-                   help="the most frequent assistant tokens of the training data (its coverage is logged)")
+    p.add_argument("--draft-vocab-size", type=int, default=None,
+                   help="the most frequent assistant tokens of the training data (its coverage is logged); "
+                        "default 8192 for a fresh draft, the --init-from draft's own size with --recount-vocab")
     p.add_argument("--init-from-target", default="head,norm,fc,layer",
                    help="fresh drafts: parts copied from the target (head, norm, fc, layer; comma-separated) or 'none'")
     p.add_argument("--feature-cache", default=None,
@@ -178,18 +179,23 @@ def build_draft(args: argparse.Namespace, target, dataset) -> tuple[ConFuDraftMo
         confu["future_logit_weight"] = 0.5 if args.future_logit_weight is None else args.future_logit_weight
     if args.init_from:
         draft = ConFuDraftModel.from_pretrained(args.init_from, dtype=torch.float32, **confu)
+        if args.draft_vocab_size not in (None, draft.config.draft_vocab_size) and not args.recount_vocab:
+            raise SystemExit(f"--draft-vocab-size {args.draft_vocab_size}: {args.init_from} has "
+                             f"{draft.config.draft_vocab_size} draft tokens; add --recount-vocab to resize it.")
         if args.recount_vocab:
             before = vocab_coverage(dataset, draft.d2t)
-            vocab = build_draft_vocab(dataset, draft.config.draft_vocab_size, draft.config.vocab_size)
+            vocab = build_draft_vocab(dataset, args.draft_vocab_size or draft.config.draft_vocab_size,
+                                      draft.config.vocab_size)
             added = remap_draft_vocab(draft, vocab, target)
             logger.info("--recount-vocab: %d new draft tokens; coverage of the training answers %.2f%% -> %.2f%%",
                         added, 100 * before, 100 * vocab_coverage(dataset, draft.d2t))
     else:
         depth, top_k, total = (int(x) for x in args.tree.split(","))
-        config = ConFuDraftConfig.for_target(target, draft_vocab_size=args.draft_vocab_size, tree_depth=depth,
+        size = args.draft_vocab_size or 8192
+        config = ConFuDraftConfig.for_target(target, draft_vocab_size=size, tree_depth=depth,
                                              tree_top_k=top_k, tree_total_tokens=total, **confu)
         draft = ConFuDraftModel(config)
-        draft.set_vocab_map(build_draft_vocab(dataset, args.draft_vocab_size, config.vocab_size))
+        draft.set_vocab_map(build_draft_vocab(dataset, size, config.vocab_size))
         if args.init_from_target != "none":
             draft.init_from_target(target, tuple(args.init_from_target.split(",")))
     if not draft.config.contemplate:
