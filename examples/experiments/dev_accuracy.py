@@ -59,11 +59,17 @@ def dev_rows(answers: str, tokenizer) -> list[dict]:
     return [tokenized[i] for i in range(len(tokenized))]
 
 
-def shard_rows(shard: str | list[str], tokenizer, count: int | None) -> list[dict]:
-    """Tokenized conversations from a parquet shard of the answers dataset: `count` rows of a seeded shuffle."""
-    table = datasets.load_dataset("parquet", data_files=shard, split="train").shuffle(seed=0)
+def shard_dataset(shard: str | list[str], tokenizer, count: int | None, seed: int = 0) -> datasets.Dataset:
+    """Tokenized conversations from parquet shards of the answers dataset: `count` rows (all if None) of a
+    seeded shuffle."""
+    table = datasets.load_dataset("parquet", data_files=shard, split="train").shuffle(seed=seed)
     table = table.select(range(min(count or len(table), len(table)))).select_columns(["messages"])
-    tokenized = tokenize_conversations(table, tokenizer, max_length=768)
+    return tokenize_conversations(table, tokenizer, max_length=768)
+
+
+def shard_rows(shard: str | list[str], tokenizer, count: int | None) -> list[dict]:
+    """`shard_dataset` as a list of rows."""
+    tokenized = shard_dataset(shard, tokenizer, count)
     return [tokenized[i] for i in range(len(tokenized))]
 
 
@@ -81,14 +87,17 @@ def target_passes(target, rows: list[dict], feature_layers: list[int], batch_siz
     return passes
 
 
+def depth0_right(draft, p: dict) -> torch.Tensor:
+    """(N,) bool: the draft's depth-0 greedy token is the target's at the scored positions of pass `p`."""
+    hidden = ttt_hidden_states(draft, p["features"], p["batch"]["input_ids"], p["batch"]["attention_mask"], 1)[0]
+    return draft.d2t[draft.logits(hidden[p["where"]]).argmax(dim=-1)] == p["top_id"]
+
+
 @torch.no_grad()
 def accuracy_by_confidence(draft, passes: list[dict]) -> list[dict]:
     """Depth-0 full-vocabulary accuracy of `draft` per bin of the target's top-1 probability (`BINS`)."""
-    correct = []
-    for p in passes:
-        hidden = ttt_hidden_states(draft, p["features"], p["batch"]["input_ids"], p["batch"]["attention_mask"], 1)[0]
-        correct.append(draft.d2t[draft.logits(hidden[p["where"]]).argmax(dim=-1)] == p["top_id"])
-    confidence, correct = torch.cat([p["top_p"] for p in passes]), torch.cat(correct).float()
+    confidence = torch.cat([p["top_p"] for p in passes])
+    correct = torch.cat([depth0_right(draft, p) for p in passes]).float()
     table = []
     for low, high in zip(BINS[:-1], BINS[1:]):
         inside = (confidence >= low) & (confidence < high)
@@ -111,8 +120,7 @@ def accuracy_by_source(draft, passes: list[dict], corpus: SuffixProposer) -> lis
     kinds, draft_right, suffix_right = [], [], []
     for p in passes:
         ids = p["batch"]["input_ids"]
-        hidden = ttt_hidden_states(draft, p["features"], ids, p["batch"]["attention_mask"], 1)[0]
-        draft_right += (draft.d2t[draft.logits(hidden[p["where"]]).argmax(dim=-1)] == p["top_id"]).tolist()
+        draft_right += depth0_right(draft, p).tolist()
         copies = copy_positions(ids, p["batch"]["attention_mask"])[p["where"][0], p["where"][1] + 2].tolist()
         row_of, in_vocab = None, torch.isin(p["top_id"], draft.d2t).tolist()
         columns = (*(x.tolist() for x in p["where"]), p["top_id"].tolist(), in_vocab, copies)

@@ -22,17 +22,12 @@ import json
 import time
 from pathlib import Path
 
-import datasets
 import torch
 import torch.nn.functional as F
+from dev_accuracy import shard_dataset  # this folder's teacher-forced scoring script
 
 from transformers_confu import ConFuDraftModel, load_target
-from transformers_confu.training.data import (
-    DataCollatorForDraft,
-    build_draft_vocab,
-    remap_draft_vocab,
-    tokenize_conversations,
-)
+from transformers_confu.training.data import DataCollatorForDraft, build_draft_vocab, remap_draft_vocab
 from transformers_confu.training.ttt import target_hidden, ttt_hidden_states, ttt_valid_positions
 
 DATASET = "data/smollm2-135m-instruct-answers"
@@ -40,18 +35,16 @@ HELD_OUT_SHARD = "train-00020"  # the "fresh" shard no draft trains on
 TOP = 32
 
 
-def answer_rows(dataset: str, tokenizer, count: int | None = None, seed: int = 0) -> datasets.Dataset:
-    """Tokenized rows of the answers dataset less the held-out shard: `count` of a seeded shuffle (all if None)."""
-    shards = [str(p) for p in sorted(Path(dataset, "data").glob("train-*.parquet")) if HELD_OUT_SHARD not in p.name]
-    table = datasets.load_dataset("parquet", data_files=shards, split="train").shuffle(seed=seed)
-    table = table.select(range(min(count or len(table), len(table)))).select_columns(["messages"])
-    return tokenize_conversations(table, tokenizer, max_length=768)
+def train_shards(dataset: str) -> list[str]:
+    """The answers dataset's shards less the held-out one."""
+    return [str(p) for p in sorted(Path(dataset, "data").glob("train-*.parquet")) if HELD_OUT_SHARD not in p.name]
 
 
 def widen(args: argparse.Namespace) -> None:
     target, tokenizer = load_target()
     draft = ConFuDraftModel.from_pretrained(args.draft, dtype=torch.float32)
-    vocab = build_draft_vocab(answer_rows(args.dataset, tokenizer), args.size, draft.config.vocab_size)
+    vocab = build_draft_vocab(shard_dataset(train_shards(args.dataset), tokenizer, None), args.size,
+                              draft.config.vocab_size)
     print(f"{remap_draft_vocab(draft, vocab, target)} new draft tokens", flush=True)
     draft.save_pretrained(args.out)
 
@@ -61,7 +54,7 @@ def extract(args: argparse.Namespace) -> None:
     target, tokenizer = load_target(torch_dtype=getattr(torch, args.target_dtype))
     draft = ConFuDraftModel.from_pretrained(args.draft, dtype=torch.float32)
     draft.attach_target(target)
-    tokenized = answer_rows(args.dataset, tokenizer, args.rows, args.seed)
+    tokenized = shard_dataset(train_shards(args.dataset), tokenizer, args.rows, args.seed)
     rows = sorted((tokenized[i] for i in range(len(tokenized))), key=lambda r: len(r["input_ids"]))  # less padding
     collate, head = DataCollatorForDraft(pad_token_id=0), target.get_output_embeddings()
     store = {depth: {k: [] for k in ("hidden", "top_logits", "top_ids", "row")} for depth in (0, 1)}
