@@ -14,6 +14,11 @@ positions that see an f:
 - `mix_acc_at_anchors_w{w}`: the draft's first prediction from `log q + w log p_con` (`future_logit_weight`);
   `..._prob{s}` from the mixture `(1 - s) q + s p_con`; `..._more_confident` the top token of whichever of the
   two is surer (other ways to combine the two, for comparison);
+- with `--temperature T`: `accept_T{T}_w{w}_d{Td}`, the expected acceptance of the first drafted token when
+  sampling at T (top-k `--top-k`, as `generate` samples): sum over tokens of min(p_target, q), the chance a
+  one-child level keeps its draw, with q = softmax((log q_draft + w log p_con) / Td) mapped to target ids. The
+  loop drafts at Td = T; other Td show whether a sharper or flatter proposal would keep more (exact, no
+  sampling noise: what tau at T > 0 depends on first);
 - router statistics of the `[con]` MoE (routed by the target's state) and the `[f]` MoE: expert usage and
   the spread of the router logits (a router at its initial scale has not learned to route), and the learned
   `[f]` attention bias.
@@ -69,6 +74,17 @@ def more_confident(q: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     return torch.where((q.max(-1).values >= p.max(-1).values)[:, None], q, p)
 
 
+def expected_acceptance(target_logits: torch.Tensor, mixed_logp: torch.Tensor, d2t: torch.Tensor, temperature: float,
+                        top_k: int, draft_temperature: float) -> torch.Tensor:
+    """(N,) sum_x min(p(x), q(x)): p the target's sampling distribution (T, top-k), q the draft's proposal
+    softmax(mixed_logp / draft_temperature) over the draft vocabulary (zero elsewhere)."""
+    scaled = target_logits.float() / temperature
+    kth = scaled.topk(top_k, dim=-1).values[:, -1:]
+    p = scaled.masked_fill(scaled < kth, -torch.inf).softmax(-1)[:, d2t]
+    return torch.minimum(p, (mixed_logp / draft_temperature).softmax(-1)).sum(-1)
+
+
+SAMPLED_WEIGHTS, DRAFT_TEMPERATURE_SCALES = (0.0, 0.25, 0.5, 1.0), (0.5, 0.75, 1.0, 1.25)
 COMBINERS = {**{f"w{w}": partial(log_mix, w=w) for w in (0.25, 0.5, 1.0, 2.0)},
              **{f"prob{s}": partial(prob_mix, share=s) for s in (0.25, 0.5)}, "more_confident": more_confident}
 
@@ -85,6 +101,9 @@ def main() -> None:
     p.add_argument("--per-anchor", action="store_true",
                    help="also write, per anchor, whether the draft, the [con] and each mix are right (0/1 strings, "
                    "same anchors for any adapter at the same seed: for paired comparisons)")
+    p.add_argument("--temperature", type=float, default=None,
+                   help="also the expected first-token acceptance when sampling at this temperature (see above)")
+    p.add_argument("--top-k", type=int, default=50, help="with --temperature: generate's top-k filter")
     p.add_argument("--out", required=True, help="writes OUT.json and OUT.md")
     args = p.parse_args()
     target, tokenizer = load_target()
@@ -101,6 +120,7 @@ def main() -> None:
     f_usage = torch.zeros(draft.future_moe.router.out_features) if entry else None
     con_spread, f_spread = [], []
     per_anchor = {key: [] for key in ("draft", "con", *(f"mix_{name}" for name in COMBINERS))}
+    sampled = {}  # (w, Td) -> [(anchors,) expected acceptances]
     for row in dev_rows(args.answers, tokenizer):
         ids, loss_mask = torch.tensor([row["input_ids"]]), torch.tensor([row["loss_mask"]])
         attention_mask, length = torch.ones_like(ids), ids.shape[1]
@@ -127,6 +147,13 @@ def main() -> None:
         per_anchor["con"].append(con_right)
         for name, combine in COMBINERS.items():
             per_anchor[f"mix_{name}"].append(draft.d2t[combine(draft_logp, con_logp).argmax(-1)] == wanted)
+        if args.temperature is not None:
+            target_logits = target.get_output_embeddings()(last[0, at + 1])
+            for w in SAMPLED_WEIGHTS:
+                for scale in DRAFT_TEMPERATURE_SCALES:
+                    td = round(scale * args.temperature, 4)
+                    sampled.setdefault((w, td), []).append(expected_acceptance(
+                        target_logits, log_mix(draft_logp, con_logp, w), draft.d2t, args.temperature, args.top_k, td))
         states = features.gather(1, (anchors - 1)[..., None].expand(-1, -1, features.shape[-1]))[0]
         con_logits = adapter.con_moe.router(states[:, -adapter.hidden_size:].to(adapter.soft_prompt.dtype))
         con_usage += torch.bincount(con_logits.topk(adapter.con_moe.top_k, -1).indices.flatten(),
@@ -161,6 +188,8 @@ def main() -> None:
         **{f"mix_acc_at_anchors_{name}": right[f"mix_{name}"].double().mean().item() for name in COMBINERS},
         con_router_logit_std=sum(con_spread) / len(con_spread), con_expert_usage=(con_usage / con_usage.sum()).tolist(),
     )
+    for (w, td), values in sampled.items():
+        result[f"accept_T{args.temperature}_w{w}_d{td}"] = torch.cat(values).double().mean().item()
     if entry:
         result.update(
             positions=n, kl_with_vs_without=totals["kl"] / n, full_acc_with_f=totals["acc_with"] / n,
