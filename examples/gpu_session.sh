@@ -15,8 +15,8 @@
 # this script does not travel, so the first two are plain commands; its temp folder outlasts a call while the machine is warm):
 #   carry [".dev/s1"]:  mkdir -p /tmp/stage && cp .dev/s1/gguf.a /tmp/stage/
 #   carry [".dev/s2"]:  cp .dev/s2/gguf.b /tmp/stage/ && cp -r .dev/s2/whl /tmp/stage/
-#   carry [".dev/s3"]:  bash examples/gpu_session.sh lease    # regen and continue side by side (each is launch-bound,
-#                                                             # so they share the GPU well), then bench
+#   carry [".dev/s3"]:  bash examples/gpu_session.sh lease    # regen, continue and confu side by side (each is
+#                                                             # launch-bound, so they share the GPU well), then bench
 #   (timeout_s 575; its defaults fill about 560 s: ~60 s of set-up and loading, 4.5 minutes of regen and training,
 #   180 s of bench, 30 s of profile; a machine's start and the two copy calls take ~2 of the 15 minutes)
 # or the steps one by one, carry [".dev/s3"]:
@@ -24,14 +24,18 @@
 #   continue  # issue #22: the shipped EAGLE-3 draft trained on the answers dataset (bf16, the target in the
 #             # loop) for STEPS (default 1500) steps of 32 or TRAIN_MINUTES (default 4.5) minutes; it ran 5.6
 #             # steps/s beside regen (2026-12-04: 400 steps in 71 s), regen 8,000 tokens/s beside it
+#   confu     # issue #22's T=0.7 goal: ConFu proper, the shipped draft trained with an `[f]` entry and the shipped
+#             # `[con]` adapter (staged in .dev/s3), the same data and minutes: a first-level prior alone caps
+#             # ConFu / EAGLE-3 tau near 1.03 (results/confu_sampled_acceptance_v16.md), f must reach deeper levels
 #   train     # issue #10: the one-command GPU recipe (a fresh draft from the training files; carry .dev/s4 too)
 #   bench     # issue #12: static/compiled loop vs compiled generate, then syncs per round and device busy share
 # Back here:  bash examples/gpu_session.sh take <files_at of the call>   # answers -> the answers dataset
-#             cat <files_at>/gpu-continued.tar.part-* | tar -x -C runs/gpu-continued   # the continued draft
-# Results come back under $OUT (bench: .md/.json; train/continue: the draft split in 15 MB parts, join with cat).
-# `SMOKE=1 bash examples/gpu_session.sh regen|continue|bench|train|lease` runs the same steps on this CPU at tiny size.
+#             mkdir -p runs/gpu && cat <files_at>/gpu-drafts.tar.part-* | tar -x -C runs/gpu   # the two drafts
+#             (runs/gpu/gpu-continued/final, runs/gpu/gpu-confu/final; a step run alone sends back its own)
+# Results come back under $OUT (8 files at most; bench: .md/.json; the drafts as one tar in 15 MB parts, join with cat).
+# `SMOKE=1 bash examples/gpu_session.sh regen|continue|confu|bench|train|lease` runs the same steps on this CPU at tiny size.
 set -euo pipefail
-step=${1:?stage|tree|regen|continue|bench|train|lease|take}
+step=${1:?stage|tree|regen|continue|confu|bench|train|lease|take}
 stage=${STAGE:-/tmp/stage}  # where the two first calls leave the halves on the device (outside the repository: its
                              # copy there is replaced at each call)
 site=/tmp/site
@@ -64,14 +68,18 @@ regen() {  # fp32 (the dataset's settings: greedy, 256 new tokens), the answers 
   tar -C /tmp/gpu-regen -cJf "$OUT/gpu-answers.tar.xz" answers
 }
 
-continue_draft() {  # the shipped draft on the whole answers dataset less shard 20 (the fresh held-out shard)
+continue_draft() {  # the shipped draft on the whole answers dataset less shard 20 (the fresh held-out shard); $1: the
+                   # output folder, then extra confu-train flags
   local data; data=$(ls "$dataset"/data/train-*.parquet | grep -v train-00020)
   if [ -n "${SMOKE:-}" ]; then size=(--max-samples 16 --batch-size 2 --max-steps 2 --max-length 256 --device cpu)
   else size=(--bf16 --batch-size 32 --max-steps "${STEPS:-1500}" --max-minutes "${TRAIN_MINUTES:-4.5}" --max-length 768
     --max-samples $((32 * ${STEPS:-1500})) --device cuda); fi  # rows for the steps only: tokenizing all of them costs minutes
-  python3 -m transformers_confu.training.train --data $data --output-dir /tmp/gpu-continued --init-from $drafts-eagle3 \
-    --ttt-steps 5 --lr 2e-4 --warmup-steps 10 --save-minutes 60 --seed 22 --tree 2,1,3 "${size[@]}"
-  send_back gpu-continued final
+  python3 -m transformers_confu.training.train --data $data --output-dir "$1" --init-from $drafts-eagle3 \
+    --ttt-steps 5 --lr 2e-4 --warmup-steps 10 --save-minutes 60 --seed 22 --tree 2,1,3 "${size[@]}" "${@:2}"
+}
+
+confu_draft() {  # ConFu proper: f as the draft's [f] entry, trained with the draft from the shipped [con] adapter
+  continue_draft "$1" --contemplate --adapter-from .dev/s3/confu --future-token-weight 1 --anchor-ratio 0.5
 }
 
 bench() {  # the drafts this tree holds (`tree lease` leaves the ConFu one here)
@@ -113,7 +121,8 @@ stage)
   wheels .dev/s2/whl "transformers==$version" gguf datasets dill multiprocess regex fsspec
   pins=$(python3 -m pip list --format freeze | grep -i -E '^(huggingface.hub|httpx2|httpcore2|truststore|idna|anyio|h11|click|hf.xet|tokenizers|safetensors|evaluate)==')
   wheels .dev/s3/whl $pins  # transformers' own pins, newer than the device's (s2 has no room left for them)
-  rm -rf .dev/s3/*.tar.xz .dev/s4/*.tar.xz .dev/pool
+  rm -rf .dev/s3/*.tar.xz .dev/s4/*.tar.xz .dev/pool .dev/s3/confu && mkdir -p .dev/s3/confu
+  cp -r $drafts-confu/contemplate_adapter .dev/s3/confu/  # the `confu` step's starting adapter (74 KB)
   python3 -m transformers_confu.training.prompt_pool --prompts-dir "$prompts" --train-dir "$data" --out .dev/pool \
     --unanswered-in "$dataset"
   python3 -m transformers_confu.training.prompt_pool --next-turns-from "$dataset" --max-turns 4 --out .dev/pool \
@@ -135,15 +144,24 @@ tree)  # here: what of the repository travels with the next device call (64 MiB 
   if [ $2 = lease ] && ((size > 64 * 1024 * 1024)); then
     echo "over the 64 MiB that travel: untrack more (e.g. the dataset's shards for a bench-only call)" >&2; exit 1
   fi ;;
-regen|continue|bench|train)
+regen|bench|train)
   prepare_device && mkdir -p "$OUT"
-  [ $step = continue ] && step=continue_draft
   $step ;;
-lease)  # regen and continue side by side, then bench (alone on the GPU, for its timings)
+continue)
   prepare_device && mkdir -p "$OUT"
-  regen > "$OUT/regen.log" 2>&1 & continue_draft > "$OUT/continue.log" 2>&1 &
+  continue_draft /tmp/gpu-drafts/gpu-continued && send_back gpu-drafts gpu-continued/final ;;
+confu)
+  prepare_device && mkdir -p "$OUT"
+  confu_draft /tmp/gpu-drafts/gpu-confu && send_back gpu-drafts gpu-confu/final ;;
+lease)  # regen, continue and confu side by side, then bench (alone on the GPU, for its timings)
+  prepare_device && mkdir -p "$OUT"
+  logs=/tmp/gpu-logs && mkdir -p $logs
+  regen > $logs/regen.log 2>&1 & continue_draft /tmp/gpu-drafts/gpu-continued > $logs/continue.log 2>&1 &
+  confu_draft /tmp/gpu-drafts/gpu-confu > $logs/confu.log 2>&1 &
   wait
-  tail -n 4 "$OUT/regen.log" "$OUT/continue.log"
+  tail -n 4 $logs/*.log
+  tar -C /tmp -cJf "$OUT/gpu-logs.tar.xz" gpu-logs  # one file: 8 come back at most
+  send_back gpu-drafts gpu-continued/final gpu-confu/final
   bench ;;
 take)  # here: the regen call's answers into the answers dataset (nothing is added twice)
   from=${2:?the folder where the files of the regen call came back (files_at)}
