@@ -4,8 +4,8 @@
 # Here (CPU machine, repo root):   bash examples/gpu_session.sh stage ../shared/data/train ../shared/data/prompts
 #   -> .dev/s1 (first half of the target GGUF), .dev/s2 (second half + wheels), .dev/s3 (the prompts of the pool that
 #      the answers dataset does not answer yet, .dev/pool: built from both folders and the dataset's next turns,
-#      packed with xz), .dev/s4 (the training files, for the `train` step only): the carried folders count towards
-#      the 64 MiB that travel; .dev/ is ignored by git (.git/info/exclude).
+#      packed with xz; the shipped `[con]` adapter for `confu`), .dev/s4 (the training files, for the `train` step
+#      only): the carried folders count towards the 64 MiB that travel; .dev/ is ignored by git (.git/info/exclude).
 # The working tree travels with each call and must stay under 64 MiB with what is carried: before each call
 #   bash examples/gpu_session.sh tree none    # the copy calls: nothing of the repository travels, only .dev/s1 or s2
 #   bash examples/gpu_session.sh tree lease   # the steps: no results/, no ConFu checkpoint (46 MB); checks that
