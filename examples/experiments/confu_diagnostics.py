@@ -39,10 +39,11 @@ from pathlib import Path
 
 import torch
 from dev_accuracy import dev_rows
-from transformers import DynamicCache
+from transformers import DynamicCache, GenerationConfig
 
 from transformers_confu import load_target
 from transformers_confu.decoding.assistant import load_adapter, load_draft
+from transformers_confu.decoding.generation import _probs, logits_warpers
 from transformers_confu.models.target import CONFU_DRAFT
 from transformers_confu.training.anchors import (
     future_token_loss,
@@ -74,14 +75,10 @@ def more_confident(q: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     return torch.where((q.max(-1).values >= p.max(-1).values)[:, None], q, p)
 
 
-def expected_acceptance(target_logits: torch.Tensor, mixed_logp: torch.Tensor, d2t: torch.Tensor, temperature: float,
-                        top_k: int, draft_temperature: float) -> torch.Tensor:
-    """(N,) sum_x min(p(x), q(x)): p the target's sampling distribution (T, top-k), q the draft's proposal
-    softmax(mixed_logp / draft_temperature) over the draft vocabulary (zero elsewhere)."""
-    scaled = target_logits.float() / temperature
-    kth = scaled.topk(top_k, dim=-1).values[:, -1:]
-    p = scaled.masked_fill(scaled < kth, -torch.inf).softmax(-1)[:, d2t]
-    return torch.minimum(p, (mixed_logp / draft_temperature).softmax(-1)).sum(-1)
+def expected_acceptance(target_probs: torch.Tensor, mixed_logp: torch.Tensor, draft_temperature: float) -> torch.Tensor:
+    """(N,) sum_x min(p(x), q(x)): p the target's sampling probabilities at the draft vocabulary's tokens, q the
+    draft's proposal softmax(mixed_logp / draft_temperature) over that vocabulary (zero elsewhere)."""
+    return torch.minimum(target_probs, (mixed_logp / draft_temperature).softmax(-1)).sum(-1)
 
 
 SAMPLED_WEIGHTS, DRAFT_TEMPERATURE_SCALES = (0.0, 0.25, 0.5, 1.0), (0.5, 0.75, 1.0, 1.25)
@@ -107,6 +104,8 @@ def main() -> None:
     p.add_argument("--out", required=True, help="writes OUT.json and OUT.md")
     args = p.parse_args()
     target, tokenizer = load_target()
+    warpers = None if args.temperature is None else logits_warpers(
+        GenerationConfig(do_sample=True, temperature=args.temperature, top_k=args.top_k))
     path = args.draft or CONFU_DRAFT
     draft, adapter = load_draft(path), load_adapter(args.adapter or path)
     draft.attach_target(target)
@@ -148,12 +147,12 @@ def main() -> None:
         for name, combine in COMBINERS.items():
             per_anchor[f"mix_{name}"].append(draft.d2t[combine(draft_logp, con_logp).argmax(-1)] == wanted)
         if args.temperature is not None:
-            target_logits = target.get_output_embeddings()(last[0, at + 1])
+            target_probs = _probs(target.get_output_embeddings()(last[0, at + 1]), warpers)[:, draft.d2t]
             for w in SAMPLED_WEIGHTS:
                 for scale in DRAFT_TEMPERATURE_SCALES:
                     td = round(scale * args.temperature, 4)
-                    sampled.setdefault((w, td), []).append(expected_acceptance(
-                        target_logits, log_mix(draft_logp, con_logp, w), draft.d2t, args.temperature, args.top_k, td))
+                    sampled.setdefault((w, td), []).append(
+                        expected_acceptance(target_probs, log_mix(draft_logp, con_logp, w), td))
         states = features.gather(1, (anchors - 1)[..., None].expand(-1, -1, features.shape[-1]))[0]
         con_logits = adapter.con_moe.router(states[:, -adapter.hidden_size:].to(adapter.soft_prompt.dtype))
         con_usage += torch.bincount(con_logits.topk(adapter.con_moe.top_k, -1).indices.flatten(),
