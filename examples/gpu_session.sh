@@ -64,7 +64,7 @@ regen() {  # fp32 (the dataset's settings: greedy, 256 new tokens), the answers 
   else size=(--regenerate-reuse "$dataset" --regenerate-batch-size "${BATCH:-512}" --regenerate-minutes "${MINUTES:-4.5}"
     --device cuda); fi
   python3 -m transformers_confu.training.train --data /tmp/s3/pool --output-dir /tmp/gpu-regen --regenerate \
-    --regenerate-only --regenerate-dir /tmp/gpu-regen/answers --max-length 768 "${size[@]}"
+    --regenerate-only --regenerate-dir /tmp/gpu-regen/answers --max-length 1280 "${size[@]}"  # the long kinds too
   tar -C /tmp/gpu-regen -cJf "$OUT/gpu-answers.tar.xz" answers
 }
 
@@ -72,7 +72,7 @@ continue_draft() {  # the shipped draft on the whole answers dataset less shard 
                    # output folder, then extra confu-train flags
   local data; data=$(ls "$dataset"/data/train-*.parquet | grep -v train-00020)
   if [ -n "${SMOKE:-}" ]; then size=(--max-samples 16 --batch-size 2 --max-steps 2 --max-length 256 --device cpu)
-  else size=(--bf16 --batch-size 32 --max-steps "${STEPS:-1500}" --max-minutes "${TRAIN_MINUTES:-4.5}" --max-length 768
+  else size=(--bf16 --batch-size 32 --max-steps "${STEPS:-1500}" --max-minutes "${TRAIN_MINUTES:-4.5}" --max-length 1280
     --max-samples $((32 * ${STEPS:-1500})) --device cuda); fi  # rows for the steps only: tokenizing all of them costs minutes
   python3 -m transformers_confu.training.train --data $data --output-dir "$1" --init-from $drafts-eagle3 \
     --ttt-steps 5 --lr 2e-4 --warmup-steps 10 --save-minutes 60 --seed 22 --tree 2,1,3 "${size[@]}" "${@:2}"

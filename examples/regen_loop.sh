@@ -50,7 +50,7 @@ for round in $(seq 1 50); do
   for kind in $KINDS; do
     [ -f runs/regen/STOP ] && exit 0
     .venv/bin/confu-train --output-dir $ANSWERS-out --data $pool/prompts_$kind.jsonl --regenerate --regenerate-only \
-      --regenerate-dir $ANSWERS --regenerate-reuse "$DATASET" --max-length 768 \
+      --regenerate-dir $ANSWERS --regenerate-reuse "$DATASET" --max-length ${MAX_LENGTH:-768} \
       --regenerate-batch-size ${BATCH:-64} --regenerate-minutes ${MINUTES:-12} >> runs/regen/log_$kind$tag.txt 2>&1
   done
 done

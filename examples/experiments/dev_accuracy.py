@@ -14,6 +14,7 @@ vocabulary (no draft can propose it), the sequence itself (the two tokens before
 in prompt + answer, and the last time they were followed by it: a copy, `ttt.copy_positions`), the hybrid's
 suffix proposer (the shipped corpus and the sequence, calibrated: its best first token is it), or neither;
 and gives the draft's accuracy in each and the share of positions the draft misses but a suffix source has.
+`--by-category` (dev answers only) splits it by the dev question's category: where the draft is weak.
 
     python examples/experiments/dev_accuracy.py --answers results/eagle3_v2_dev_t0_answers/generate.jsonl \
         --drafts src/transformers_confu/checkpoints/smollm2-135m-instruct-eagle3 runs/my-draft/final
@@ -45,9 +46,10 @@ BINS = (0.0, 0.3, 0.5, 0.7, 0.9, 1.0001)
 
 
 def dev_rows(answers: str, tokenizer) -> list[dict]:
-    """Tokenized conversations [dev question, answer, ...] from a confu-bench answer file."""
+    """Tokenized conversations [dev question, answer, ...] from a confu-bench answer file, each with its
+    question's `category`."""
     questions = {q["question_id"]: q for q in load_questions()}
-    conversations = []
+    conversations, categories = [], []
     for line in Path(answers).read_text().splitlines():
         row = json.loads(line)
         turns, replies = questions[row["question_id"]]["turns"], row["choices"][0]["turns"]
@@ -55,8 +57,9 @@ def dev_rows(answers: str, tokenizer) -> list[dict]:
         for question, reply in zip(turns, replies):
             messages += [{"role": "user", "content": question}, {"role": "assistant", "content": reply}]
         conversations.append({"messages": messages})
+        categories.append(row["category"])
     tokenized = tokenize_conversations(datasets.Dataset.from_list(conversations), tokenizer)
-    return [tokenized[i] for i in range(len(tokenized))]
+    return [dict(tokenized[i], category=category) for i, category in enumerate(categories)]
 
 
 def shard_dataset(shard: str | list[str], tokenizer, count: int | None, seed: int = 0) -> datasets.Dataset:
@@ -79,11 +82,14 @@ def target_passes(target, rows: list[dict], feature_layers: list[int], batch_siz
     depth-0 positions and the target's top-1 probability and token at the token they predict."""
     collate, passes = DataCollatorForDraft(pad_token_id=0), []
     for start in range(0, len(rows), batch_size):
-        batch = collate(rows[start : start + batch_size])
+        chunk = rows[start : start + batch_size]
+        batch = collate(chunk)
         features, last = target_hidden(target, batch["input_ids"], batch["attention_mask"], feature_layers)
         where = ttt_valid_positions(batch["attention_mask"], batch["loss_mask"], 0).nonzero(as_tuple=True)
         top_p, top_id = target.lm_head(last[where[0], where[1] + 1]).float().softmax(dim=-1).max(dim=-1)
-        passes.append(dict(batch=batch, features=features, where=where, top_p=top_p, top_id=top_id))
+        categories = [chunk[b].get("category") for b in where[0].tolist()]
+        passes.append(dict(batch=batch, features=features, where=where, top_p=top_p, top_id=top_id,
+                           categories=categories))
     return passes
 
 
@@ -104,6 +110,23 @@ def accuracy_by_confidence(draft, passes: list[dict]) -> list[dict]:
         n = int(inside.sum())
         table.append({"target_top1": f"{low:.1f}-{min(high, 1.0):.1f}", "share": n / len(confidence),
                       "draft_acc": float(correct[inside].mean()) if n else float("nan"), "positions": n})
+    return table
+
+
+@torch.no_grad()
+def accuracy_by_category(draft, passes: list[dict], rows: list[dict]) -> list[dict]:
+    """Depth-0 full-vocabulary accuracy of `draft` per dev category (in the order categories first occur), with
+    the target's mean top-1 probability there and the median prompt length (tokens before the first answer)."""
+    categories = [c for p in passes for c in p["categories"]]
+    correct = torch.cat([depth0_right(draft, p) for p in passes]).float()
+    confidence = torch.cat([p["top_p"] for p in passes])
+    table = []
+    for category in dict.fromkeys(categories):
+        inside = torch.tensor([c == category for c in categories])
+        prompts = [row["loss_mask"].index(1) for row in rows if row["category"] == category]
+        table.append({"category": category, "share": float(inside.float().mean()), "positions": int(inside.sum()),
+                      "draft_acc": float(correct[inside].mean()), "target_top1": float(confidence[inside].mean()),
+                      "prompt_tokens": int(np.median(prompts))})
     return table
 
 
@@ -153,12 +176,16 @@ def main() -> None:
                    help="also split depth-0 accuracy by the target's top-1 probability")
     p.add_argument("--by-source", action="store_true",
                    help="also split depth-0 accuracy by where the target's token could come from")
+    p.add_argument("--by-category", action="store_true",
+                   help="with dev answers: also split depth-0 accuracy by the dev question's category")
     p.add_argument("--corpus", default=None, help="with --by-source: the suffix corpus folder (default: the shipped one)")
     p.add_argument("--out", default=None, help="also write OUT.json")
     args = p.parse_args()
     target, tokenizer = load_target()
     if args.answers.endswith(".parquet"):
         rows = shard_rows(args.answers, tokenizer, args.rows)
+        if args.by_category:
+            p.error("--by-category needs dev answers (a confu-bench generate.jsonl), not a parquet shard")
     else:
         rows = dev_rows(args.answers, tokenizer)
     results, passes = {}, {}  # passes: the target's, per feature-layer set
@@ -167,7 +194,7 @@ def main() -> None:
         draft.attach_target(target)
         results[path] = {k: v for k, v in evaluate_ttt(draft, target, rows, args.steps).items() if "full_acc" in k}
         print(path, {k: round(v, 3) for k, v in results[path].items()}, flush=True)
-        if args.by_confidence or args.by_source:
+        if args.by_confidence or args.by_source or args.by_category:
             layers = tuple(draft.config.feature_layers)
             passes[layers] = passes.get(layers) or target_passes(target, rows, list(layers))
         if args.by_confidence:
@@ -175,6 +202,12 @@ def main() -> None:
             for row in results[path]["by_confidence"]:
                 print(f"  target top-1 {row['target_top1']}: {100 * row['share']:.1f}% of positions, "
                       f"draft accuracy {row['draft_acc']:.3f}", flush=True)
+        if args.by_category:
+            results[path]["by_category"] = accuracy_by_category(draft, passes[layers], rows)
+            for row in results[path]["by_category"]:
+                print(f"  {row['category']}: {100 * row['share']:.1f}% of positions, draft accuracy "
+                      f"{row['draft_acc']:.3f}, target top-1 {row['target_top1']:.3f}, prompt {row['prompt_tokens']} "
+                      "tokens", flush=True)
         if args.by_source:
             proposer = load_proposer(args.corpus or SHIPPED_CORPUS, target, tokenizer)
             results[path]["by_source"] = accuracy_by_source(draft, passes[layers], proposer)

@@ -11,6 +11,8 @@ from transformers_confu.training.prompt_pool import (
     NEXT_TURN,
     SOURCES,
     EXPLAIN,
+    LONG_BUILDERS,
+    PASSAGE_WORDS,
     SUMMARIZE,
     TRANSLATE,
     WRITE_ABOUT,
@@ -39,12 +41,14 @@ def _write_prompt_files(d: Path) -> None:
 
     xquad = {"data": [{"paragraphs": [{"context": PARAGRAPH, "qas": [{"question": "Where does the Rhine flow?"}]}]}]}
     titles = [f"River {i % 4} (Europe)" for i in range(11)] + ["List of rivers"]
-    jsonl("qed_nq_train.jsonl", [{"question_text": f"where does river {i} flow", "paragraph_text": PARAGRAPH,
-                                  "title_text": title} for i, title in enumerate(titles)])
+    jsonl("qed_nq_train.jsonl", [{"question_text": f"where does river {i} flow", "title_text": title,
+                                  "paragraph_text": f"{PARAGRAPH} It is river {i}." if i else " ".join(["River zero flows."] * 60)}
+                                 for i, title in enumerate(titles)])
     jsonl("tatoeba_test_v2021-08-07_deu_eng.jsonl", [{"de": "Ich bin müde.", "en": "I am tired."}])
     jsonl("flores200_devtest_deu_eng.jsonl", [{"de": "Der Zug ist spät.", "en": "The train is late."}])
     jsonl("ntrex128_newstest2019_deu_eng.jsonl", [{"doc_id": "a", "de": f"Satz {i}.", "en": f"Sentence {i}."}
-                                                  for i in range(5)])
+                                                  for i in range(5)]
+          + [{"doc_id": "b", "de": f"Teil {i}.", "en": f"Part {i}."} for i in range(14)])
     (d / "xquad_de.json").write_text(json.dumps({"data": [{"paragraphs": [{"context": "Der Rhein ist lang.", "qas": []}]}]}))
     (d / "xquad_en.json").write_text(json.dumps(xquad))
     (d / "mintaka_dev.json").write_text(json.dumps([{"question": "What is the capital of France?"}]))
@@ -67,7 +71,7 @@ def test_every_file_becomes_requests_of_its_kind(tmp_path):
         assert r["messages"][0]["role"] == "user" and r["source"] in SOURCES
     assert kinds["tatoeba_test_v2021-08-07_deu_eng.jsonl"] == {"translation"}
     assert kinds["qed_nq_train.jsonl"] >= {"qa", "summarization", "rag"}
-    assert kinds["ntrex128_newstest2019_deu_eng.jsonl"] == {"translation", "summarization"}
+    assert kinds["ntrex128_newstest2019_deu_eng.jsonl"] == {"translation", "summarization", "summarization_long"}
     assert kinds["xquad_en.json"] >= {"summarization", "rag"} and kinds["xquad_de.json"] == {"translation"}
     assert kinds["arena_hard_v0.1_questions.jsonl"] == kinds["self_instruct_seed_tasks.jsonl"] == {"chat"}
     assert set(BUILDERS) == {p.name for p in tmp_path.iterdir()}
@@ -93,11 +97,42 @@ def test_each_topic_is_written_about_or_explained_once_and_the_files_other_reque
     topics = [r for r in requests if r["messages"][0]["content"] in forms]
     assert sorted(forms[r["messages"][0]["content"]][1] for r in topics) == [0, 1, 2, 3]  # each title once
     assert all(forms[r["messages"][0]["content"]][0] == r["kind"] and r["source"] == "qed_nq_train.jsonl" for r in topics)
-    assert not any("List of" in r["messages"][0]["content"] for r in requests)
+    assert not any("List of" in r["messages"][0]["content"] for r in requests if r["kind"] in ("writing", "qa"))
     qed = tmp_path / "qed_nq_train.jsonl"  # without titles: the file's other requests are the same, in order
     qed.write_text("".join(json.dumps({k: v for k, v in json.loads(line).items() if k != "title_text"}) + "\n"
                            for line in qed.read_text().splitlines()))
-    assert build_requests(tmp_path, seed=0) == [r for r in requests if r not in topics]
+    long_kinds = ("rag_retrieved", "summarization_long")  # their passages open with titles too
+    assert ([r for r in build_requests(tmp_path, seed=0) if r["kind"] not in long_kinds]
+            == [r for r in requests if r not in topics and r["kind"] not in long_kinds])
+
+
+def test_long_inputs_take_the_benchmarks_long_layouts_and_the_files_other_requests_stay(tmp_path, monkeypatch):
+    _write_prompt_files(tmp_path)
+    requests = build_requests(tmp_path, seed=0)
+    retrieved = [r for r in requests if r["kind"] == "rag_retrieved"]
+    assert {r["source"] for r in retrieved} == {"qed_nq_train.jsonl", "xquad_en.json"}
+    assert len([r for r in retrieved if r["source"] == "qed_nq_train.jsonl"]) == 12  # one per question
+    for r in retrieved:
+        *passages, question = r["messages"][0]["content"].split("\n")
+        assert question.lower().startswith(("where does", "where does the rhine"))
+        if r["source"] == "qed_nq_train.jsonl":
+            river = int(question.split()[3].rstrip("?"))
+            gold = [p for p in passages if p.endswith(f"It is river {river}." if river else "River zero flows.")]
+            assert len(gold) == 1 and 5 <= len(passages) <= 7  # the answering paragraph, whole, among 4-6 others
+            assert all(len(p.split()) <= PASSAGE_WORDS + 3 for p in passages if p not in gold)  # title + 100 words
+    zero = [r["messages"][0]["content"] for r in retrieved if "river 0" in r["messages"][0]["content"].lower()][0]
+    assert "River zero flows. " * 59 + "River zero flows." in zero  # the gold paragraph is never cut
+    cut = [p for r in retrieved for p in r["messages"][0]["content"].split("\n")[:-1]
+           if "zero flows" in p and p.count("zero flows") < 60]  # ... but as another question's passage it is
+    assert cut and all(len(p.split()) <= PASSAGE_WORDS + 3 for p in cut)
+    documents = [r["messages"][0]["content"] for r in requests if r["kind"] == "summarization_long"]
+    news = [d for d in documents if "Part 0." in d]
+    assert len(news) == 1 and all(f"Part {i}." in news[0] for i in range(14))  # documents over 12 sentences, whole
+    assert not any("Sentence 0." in d for d in documents)
+    assert any(PARAGRAPH in d for d in documents)  # the XQuAD article's paragraphs
+    monkeypatch.setattr("transformers_confu.training.prompt_pool.LONG_BUILDERS", {})
+    assert build_requests(tmp_path, seed=0) == [r for r in requests if r["kind"] not in ("rag_retrieved", "summarization_long")]
+    assert set(LONG_BUILDERS) <= set(BUILDERS)
 
 
 def test_followups_continue_after_the_targets_own_answer(tmp_path):

@@ -17,6 +17,12 @@ training files of `../shared/data/train/`; see that folder's README) and yields 
 - writing and open questions on a topic: each distinct Wikipedia article title of Natural Questions (QED) once,
   as a piece to write (a blog post, a poem, a speech, ...; two in three) or a subject to explain (qa), in ten
   and six phrasings (`_topics`: its own seeded generator, so the file's other requests stay as they were);
+- rag_retrieved and summarization_long: long inputs in the layouts of the benchmark's two long categories (its
+  RAG and summarization prompts run 600-1,600 tokens; the requests above, one passage each, ~170): a question
+  after 5-7 passages of 100 words as a retriever returns them, the right paragraph among other ones (QED, XQuAD
+  en), and whole news documents (NTREX en) or runs of an article's paragraphs (XQuAD en) to summarize
+  (`LONG_BUILDERS`: their own seeded generators, so the files' other requests stay as they were; answer them
+  with a larger `--max-length`, e.g. 1280);
 - followup: OpenAssistant conversations whose later user turn follows the target's own earlier answer
   (`followups`: built from an answers dataset once the openers are answered);
 - second_turn, third_turn (fourth_turn with `--max-turns 4`): every finished first- (second-, third-) turn answer of
@@ -79,6 +85,7 @@ WRITE_ABOUT = ["Write a short blog post about {topic}.", "Write a poem about {to
 EXPLAIN = ["Explain {topic} to someone who has never heard of it.", "What is {topic}, and why does it matter?",
            "Give me a short overview of {topic}.", "What are the most interesting facts about {topic}?",
            "Tell me about {topic}.", "What should a beginner know about {topic}?"]
+PASSAGE_WORDS = 100  # a retrieved passage: 100 words of an article, cut where they end (DPR's passages)
 # files whose rows name a topic, and the field that names it (`_topics`)
 TOPIC_FIELDS = {"qed_nq_train.jsonl": "title_text"}
 
@@ -105,6 +112,8 @@ NEXT_TURN: dict[str, list[str]] = {
                 "Rewrite it for a younger audience."],
     "chat": ["Give me three alternatives.", "What would you recommend first?", "Can you give an example?"],
 }
+
+NEXT_TURN["rag_retrieved"], NEXT_TURN["summarization_long"] = NEXT_TURN["rag"], NEXT_TURN["summarization"]
 
 # file -> licence and upstream (repo @ commit), as the prompt folder's README gives them
 SOURCES: dict[str, dict[str, str]] = {
@@ -257,6 +266,65 @@ def _topics(path: Path, rng: random.Random) -> Iterator[Request]:
             yield _user(rng.choice(EXPLAIN).format(topic=topic), "qa", path.name)
 
 
+def _passage(text: str, title: str, rng: random.Random) -> str:
+    """`PASSAGE_WORDS` words of `text` from a random word on, after its article's title when they start it."""
+    words = text.split()
+    start = rng.randrange(max(len(words) - PASSAGE_WORDS, 0) + 1) if rng.random() < 0.5 else 0
+    chunk = " ".join(words[start : start + PASSAGE_WORDS])
+    return f"{title} {chunk}" if start == 0 and title else chunk
+
+
+def _retrieved(question: str, gold: str, others: list[str], source: str, rng: random.Random) -> Request:
+    """A question after the paragraph that answers it (whole) among `others` (passages), in a random order."""
+    passages = [gold, *others]
+    rng.shuffle(passages)
+    return _user("\n".join(passages) + "\n" + _question(question, rng), "rag_retrieved", source)
+
+
+def _qed_long(path: Path, rng: random.Random) -> Iterator[Request]:
+    """Each question after its paragraph and 4-6 passages of other rows' paragraphs."""
+    rows = list(read_jsonl(path))
+    for row in rows:
+        n = rng.randint(4, 6)
+        others = [rows[i] for i in rng.sample(range(len(rows)), min(n + 1, len(rows)))
+                  if rows[i]["paragraph_text"] != row["paragraph_text"]][:n]
+        gold = f"{row.get('title_text') or ''} {row['paragraph_text']}".strip()
+        passages = [_passage(o["paragraph_text"], o.get("title_text") or "", rng) for o in others]
+        yield _retrieved(row["question_text"], gold, passages, path.name, rng)
+
+
+def _xquad_long(path: Path, rng: random.Random) -> Iterator[Request]:
+    """Per article: its paragraphs, or a run of 2-4, to summarize; per paragraph, one of its questions after it
+    and passages of the article's other paragraphs."""
+    for article in json.loads(path.read_text(encoding="utf-8"))["data"]:
+        contexts = [p["context"] for p in article["paragraphs"]]
+        run = rng.randint(2, 4)
+        start = rng.randrange(max(len(contexts) - run, 0) + 1)
+        for text in dict.fromkeys(["\n\n".join(contexts), "\n\n".join(contexts[start : start + run])]):
+            yield _user(rng.choice(SUMMARIZE).format(text=text), "summarization_long", path.name)
+        for i, paragraph in enumerate(article["paragraphs"]):
+            if paragraph["qas"]:
+                others = [_passage(c, "", rng) for j, c in enumerate(contexts) if j != i]
+                yield _retrieved(rng.choice(paragraph["qas"])["question"], paragraph["context"], others, path.name, rng)
+
+
+def _ntrex_long(path: Path, rng: random.Random) -> Iterator[Request]:
+    """Each English news document longer than the 12 sentences `_ntrex` summarizes, whole."""
+    docs: dict[str, list[str]] = {}
+    for row in read_jsonl(path):
+        docs.setdefault(row["doc_id"], []).append(row["en"].strip())
+    for sentences in docs.values():
+        if len(sentences) > 12:
+            yield _user(rng.choice(SUMMARIZE).format(text="\n".join(sentences)), "summarization_long", path.name)
+
+
+# long-input builders (`_topics`' way: own generators, so the BUILDERS' requests stay as they were)
+LONG_BUILDERS: dict[str, Callable[[Path, random.Random], Iterator[Request]]] = {
+    "qed_nq_train.jsonl": _qed_long,
+    "xquad_en.json": _xquad_long,
+    "ntrex128_newstest2019_deu_eng.jsonl": _ntrex_long,
+}
+
 BUILDERS: dict[str, Callable[[Path, random.Random], Iterator[Request]]] = {
     "qed_nq_train.jsonl": _qed,
     "tatoeba_test_v2021-08-07_deu_eng.jsonl": _sentences,
@@ -292,6 +360,8 @@ def build_requests(prompts_dir: str | Path | None = None, train_dir: str | Path 
             requests += BUILDERS[path.name](path, random.Random(f"{seed}:{path.name}"))
             if path.name in TOPIC_FIELDS:
                 requests += _topics(path, random.Random(f"{seed}:{path.name}:topics"))
+            if path.name in LONG_BUILDERS:
+                requests += LONG_BUILDERS[path.name](path, random.Random(f"{seed}:{path.name}:long"))
     if train_dir is not None:
         files = [str(Path(train_dir) / name) for name in TRAIN_KINDS if (Path(train_dir) / name).is_file()]
         for row in load_conversations(files):
