@@ -16,6 +16,7 @@ from transformers_confu.training.prompt_pool import (
     SUMMARIZE,
     TRANSLATE,
     WRITE_ABOUT,
+    _untokenized,
     build_requests,
     dev_texts,
     exclude,
@@ -125,6 +126,7 @@ def test_long_inputs_take_the_benchmarks_long_layouts_and_the_files_other_reques
     cut = [p for r in retrieved for p in r["messages"][0]["content"].split("\n")[:-1]
            if "zero flows" in p and p.count("zero flows") < 60]  # ... but as another question's passage it is
     assert cut and all(len(p.split()) <= PASSAGE_WORDS + 3 for p in cut)
+    assert _untokenized("XV ( played in 1981 ) . It 's 5 % , is n't it ?") == "XV (played in 1981). It's 5%, isn't it?"
     documents = [r["messages"][0]["content"] for r in requests if r["kind"] == "summarization_long"]
     news = [d for d in documents if "Part 0." in d]
     assert len(news) == 1 and all(f"Part {i}." in news[0] for i in range(14))  # documents over 12 sentences, whole

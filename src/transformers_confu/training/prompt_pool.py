@@ -274,6 +274,12 @@ def _passage(text: str, title: str, rng: random.Random) -> str:
     return f"{title} {chunk}" if start == 0 and title else chunk
 
 
+def _untokenized(text: str) -> str:
+    """QED's paragraphs as written: no spaces before punctuation or inside brackets ("( 1981 ) ." -> "(1981).")."""
+    text = re.sub(r" ([.,;:!?%)\]]|'s\b|n't\b)", r"\1", text)
+    return re.sub(r"([(\[]) ", r"\1", text)
+
+
 def _retrieved(question: str, gold: str, others: list[str], source: str, rng: random.Random) -> Request:
     """A question after the paragraph that answers it (whole) among `others` (passages), in a random order."""
     passages = [gold, *others]
@@ -288,8 +294,8 @@ def _qed_long(path: Path, rng: random.Random) -> Iterator[Request]:
         n = rng.randint(4, 6)
         others = [rows[i] for i in rng.sample(range(len(rows)), min(n + 1, len(rows)))
                   if rows[i]["paragraph_text"] != row["paragraph_text"]][:n]
-        gold = f"{row.get('title_text') or ''} {row['paragraph_text']}".strip()
-        passages = [_passage(o["paragraph_text"], o.get("title_text") or "", rng) for o in others]
+        gold = f"{row.get('title_text') or ''} {_untokenized(row['paragraph_text'])}".strip()
+        passages = [_passage(_untokenized(o["paragraph_text"]), o.get("title_text") or "", rng) for o in others]
         yield _retrieved(row["question_text"], gold, passages, path.name, rng)
 
 
