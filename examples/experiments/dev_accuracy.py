@@ -47,19 +47,21 @@ BINS = (0.0, 0.3, 0.5, 0.7, 0.9, 1.0001)
 
 def dev_rows(answers: str, tokenizer) -> list[dict]:
     """Tokenized conversations [dev question, answer, ...] from a confu-bench answer file, each with its
-    question's `category`."""
+    question's `category` (tokenized category by category: tokenizing drops rows with no answer token)."""
     questions = {q["question_id"]: q for q in load_questions()}
-    conversations, categories = [], []
+    by_category: dict[str, list[dict]] = {}
     for line in Path(answers).read_text().splitlines():
         row = json.loads(line)
         turns, replies = questions[row["question_id"]]["turns"], row["choices"][0]["turns"]
         messages = []
         for question, reply in zip(turns, replies):
             messages += [{"role": "user", "content": question}, {"role": "assistant", "content": reply}]
-        conversations.append({"messages": messages})
-        categories.append(row["category"])
-    tokenized = tokenize_conversations(datasets.Dataset.from_list(conversations), tokenizer)
-    return [dict(tokenized[i], category=category) for i, category in enumerate(categories)]
+        by_category.setdefault(row["category"], []).append({"messages": messages})
+    rows = []
+    for category, conversations in by_category.items():
+        tokenized = tokenize_conversations(datasets.Dataset.from_list(conversations), tokenizer, max_length=2048)
+        rows += [dict(tokenized[i], category=category) for i in range(len(tokenized))]
+    return rows
 
 
 def shard_dataset(shard: str | list[str], tokenizer, count: int | None, seed: int = 0) -> datasets.Dataset:
