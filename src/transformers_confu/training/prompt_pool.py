@@ -191,11 +191,16 @@ def _sentences(path: Path, rng: random.Random) -> Iterator[Request]:
         yield _user(rng.choice(TRANSLATE).format(text=row["de"].strip()), "translation", path.name)
 
 
-def _ntrex(path: Path, rng: random.Random) -> Iterator[Request]:
+def _documents(path: Path) -> list[list[dict]]:
+    """NTREX's rows (one sentence each, German and English) grouped by document, in order."""
     docs: dict[str, list[dict]] = {}
     for row in read_jsonl(path):
         docs.setdefault(row["doc_id"], []).append(row)
-    for rows in docs.values():
+    return list(docs.values())
+
+
+def _ntrex(path: Path, rng: random.Random) -> Iterator[Request]:
+    for rows in _documents(path):
         start = 0
         while start < len(rows):  # short documents: 1-3 consecutive German sentences
             size = rng.randint(1, 3)
@@ -316,12 +321,10 @@ def _xquad_long(path: Path, rng: random.Random) -> Iterator[Request]:
 
 def _ntrex_long(path: Path, rng: random.Random) -> Iterator[Request]:
     """Each English news document longer than the 12 sentences `_ntrex` summarizes, whole."""
-    docs: dict[str, list[str]] = {}
-    for row in read_jsonl(path):
-        docs.setdefault(row["doc_id"], []).append(row["en"].strip())
-    for sentences in docs.values():
-        if len(sentences) > 12:
-            yield _user(rng.choice(SUMMARIZE).format(text="\n".join(sentences)), "summarization_long", path.name)
+    for rows in _documents(path):
+        if len(rows) > 12:
+            text = "\n".join(r["en"].strip() for r in rows)
+            yield _user(rng.choice(SUMMARIZE).format(text=text), "summarization_long", path.name)
 
 
 # long-input builders (`_topics`' way: own generators, so the BUILDERS' requests stay as they were)
