@@ -183,11 +183,11 @@ def main() -> None:
     p.add_argument("--corpus", default=None, help="with --by-source: the suffix corpus folder (default: the shipped one)")
     p.add_argument("--out", default=None, help="also write OUT.json")
     args = p.parse_args()
+    if args.by_category and args.answers.endswith(".parquet"):
+        p.error("--by-category needs dev answers (a confu-bench generate.jsonl), not a parquet shard")
     target, tokenizer = load_target()
     if args.answers.endswith(".parquet"):
         rows = shard_rows(args.answers, tokenizer, args.rows)
-        if args.by_category:
-            p.error("--by-category needs dev answers (a confu-bench generate.jsonl), not a parquet shard")
     else:
         rows = dev_rows(args.answers, tokenizer)
     results, passes = {}, {}  # passes: the target's, per feature-layer set
