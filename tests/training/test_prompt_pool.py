@@ -12,6 +12,8 @@ from transformers_confu.training.prompt_pool import (
     SOURCES,
     EXPLAIN,
     LONG_BUILDERS,
+    PAGE_BUILDERS,
+    PAGE_WORDS,
     PASSAGE_WORDS,
     SUMMARIZE,
     TRANSLATE,
@@ -133,8 +135,42 @@ def test_long_inputs_take_the_benchmarks_long_layouts_and_the_files_other_reques
     assert not any("Sentence 0." in d for d in documents)
     assert any(PARAGRAPH in d for d in documents)  # the XQuAD article's paragraphs
     monkeypatch.setattr("transformers_confu.training.prompt_pool.LONG_BUILDERS", {})
+    monkeypatch.setattr("transformers_confu.training.prompt_pool.PAGE_BUILDERS", {})
     assert build_requests(tmp_path, seed=0) == [r for r in requests if r["kind"] not in ("rag_retrieved", "summarization_long")]
-    assert set(LONG_BUILDERS) <= set(BUILDERS)
+    assert set(LONG_BUILDERS) <= set(BUILDERS) and set(PAGE_BUILDERS) <= set(BUILDERS)
+
+
+def test_pages_to_summarize_join_a_pages_prose_paragraphs_and_the_files_other_requests_stay(tmp_path, monkeypatch):
+    _write_prompt_files(tmp_path)
+    table = "Name Age Hometown Country David McIntyre 50 Kentwood United States Larry Roberts 44 Rush City United States"
+    long = " ".join([PARAGRAPH] * 40)
+    assert len(long.split()) > PAGE_WORDS
+    with (tmp_path / "qed_nq_train.jsonl").open("a") as f:
+        for title, text in [("River 3 (Europe)", table), ("Rhine", long), ("Rhine", f"{PARAGRAPH} It is long.")]:
+            f.write(json.dumps({"question_text": "where is it", "title_text": title, "paragraph_text": text}) + "\n")
+    articles = [[f"Article {a} paragraph {i}." for i in range(5)] for a in range(2)]
+    (tmp_path / "xquad_en.json").write_text(json.dumps({"data": [
+        {"paragraphs": [{"context": c, "qas": [{"question": "Where does the Rhine flow?"}]} for c in article]}
+        for article in articles]}))
+    requests = build_requests(tmp_path, seed=0)
+    monkeypatch.setattr("transformers_confu.training.prompt_pool.PAGE_BUILDERS", {})
+    without = build_requests(tmp_path, seed=0)
+    assert [r for r in requests if r in without] == without  # the other requests stay, in order
+
+    def texts(source: str) -> list[str]:  # the new requests' texts, out of their wordings
+        wordings = [w.split("{text}") for w in SUMMARIZE]
+        return [min((t[len(head) : len(t) - len(tail)] for head, tail in wordings
+                     if t.startswith(head) and t.endswith(tail)), key=len)
+                for r in requests if r["source"] == source and r not in without for t in [r["messages"][0]["content"]]]
+
+    pages = [page.split("\n\n") for page in texts("qed_nq_train.jsonl")]
+    assert len(pages) == 4  # Rivers 0-3; not the list (one paragraph), nor the Rhine (no two paragraphs fit PAGE_WORDS)
+    for river in range(4):  # its prose paragraphs in the file's order (not the table), after its title or not
+        paragraphs = [" ".join(["River zero flows."] * 60)] * (river == 0)
+        paragraphs += [f"{PARAGRAPH} It is river {i}." for i in range(river, 11, 4) if i]
+        assert sum(page in (paragraphs, [f"River {river} (Europe)", *paragraphs]) for page in pages) == 1
+    runs = texts("xquad_en.json")
+    assert sorted(runs) == sorted("\n\n".join(a[s : s + n]) for a in articles for n in (2, 3, 4) for s in range(6 - n))
 
 
 def test_followups_continue_after_the_targets_own_answer(tmp_path):

@@ -22,7 +22,9 @@ training files of `../shared/data/train/`; see that folder's README) and yields 
   after 5-7 passages of 100 words as a retriever returns them, the right paragraph among other ones (QED, XQuAD
   en), and whole news documents (NTREX en) or runs of an article's paragraphs (XQuAD en) to summarize
   (`LONG_BUILDERS`: their own seeded generators, so the files' other requests stay as they were; answer them
-  with a larger `--max-length`, e.g. 1280);
+  with a larger `--max-length`, e.g. 1280); and more pages to summarize (`PAGE_BUILDERS`, again their own
+  generators): each Wikipedia page of which QED holds two prose paragraphs or more, and every run of 2-4 of an
+  XQuAD en article's paragraphs;
 - followup: OpenAssistant conversations whose later user turn follows the target's own earlier answer
   (`followups`: built from an answers dataset once the openers are answered);
 - second_turn, third_turn (fourth_turn with `--max-turns 4`): every finished first- (second-, third-) turn answer of
@@ -86,6 +88,7 @@ EXPLAIN = ["Explain {topic} to someone who has never heard of it.", "What is {to
            "Give me a short overview of {topic}.", "What are the most interesting facts about {topic}?",
            "Tell me about {topic}.", "What should a beginner know about {topic}?"]
 PASSAGE_WORDS = 100  # a retrieved passage: 100 words of an article, cut where they end (DPR's passages)
+PAGE_WORDS = 700  # a page to summarize: up to 700 words (~950 tokens; --max-length 1280 fits prompts of 1,216)
 # files whose rows name a topic, and the field that names it (`_topics`)
 TOPIC_FIELDS = {"qed_nq_train.jsonl": "title_text"}
 
@@ -334,6 +337,49 @@ LONG_BUILDERS: dict[str, Callable[[Path, random.Random], Iterator[Request]]] = {
     "ntrex128_newstest2019_deu_eng.jsonl": _ntrex_long,
 }
 
+
+def _prose(text: str) -> bool:
+    """A paragraph of sentences, not a table or an infobox flattened into words (QED has both): two sentence ends
+    or more, under 45 words a sentence."""
+    ends = len(re.findall(r"[.!?](?=\s|$)", text))
+    return ends >= 2 and len(text.split()) < 45 * ends
+
+
+def _qed_pages(path: Path, rng: random.Random) -> Iterator[Request]:
+    """Each Wikipedia page with two prose paragraphs or more among QED's rows (NQ's answers come from all over a
+    page): its paragraphs in the file's order, as many as fit `PAGE_WORDS` words, after its title half the time."""
+    pages: dict[str, dict[str, None]] = {}
+    for row in read_jsonl(path):
+        title = (row.get("title_text") or "").strip()
+        if title and _prose(row["paragraph_text"]):
+            pages.setdefault(title, {})[_untokenized(row["paragraph_text"])] = None
+    for title, paragraphs in pages.items():
+        kept: list[str] = []
+        for paragraph in paragraphs:
+            if sum(len(p.split()) for p in [*kept, paragraph]) > PAGE_WORDS:
+                break
+            kept.append(paragraph)
+        if len(kept) >= 2:
+            text = "\n\n".join([title, *kept] if rng.random() < 0.5 else kept)
+            yield _user(rng.choice(SUMMARIZE).format(text=text), "summarization_long", path.name)
+
+
+def _xquad_runs(path: Path, rng: random.Random) -> Iterator[Request]:
+    """Every run of 2-4 consecutive paragraphs of each article (`_xquad_long` draws one of them), to summarize."""
+    for article in json.loads(path.read_text(encoding="utf-8"))["data"]:
+        contexts = [p["context"] for p in article["paragraphs"]]
+        for size in range(2, 5):
+            for start in range(len(contexts) - size + 1):
+                text = "\n\n".join(contexts[start : start + size])
+                yield _user(rng.choice(SUMMARIZE).format(text=text), "summarization_long", path.name)
+
+
+# more long summaries, of whole pages (their own generators again: the requests above stay as they were)
+PAGE_BUILDERS: dict[str, Callable[[Path, random.Random], Iterator[Request]]] = {
+    "qed_nq_train.jsonl": _qed_pages,
+    "xquad_en.json": _xquad_runs,
+}
+
 BUILDERS: dict[str, Callable[[Path, random.Random], Iterator[Request]]] = {
     "qed_nq_train.jsonl": _qed,
     "tatoeba_test_v2021-08-07_deu_eng.jsonl": _sentences,
@@ -371,6 +417,8 @@ def build_requests(prompts_dir: str | Path | None = None, train_dir: str | Path 
                 requests += _topics(path, random.Random(f"{seed}:{path.name}:topics"))
             if path.name in LONG_BUILDERS:
                 requests += LONG_BUILDERS[path.name](path, random.Random(f"{seed}:{path.name}:long"))
+            if path.name in PAGE_BUILDERS:
+                requests += PAGE_BUILDERS[path.name](path, random.Random(f"{seed}:{path.name}:pages"))
     if train_dir is not None:
         files = [str(Path(train_dir) / name) for name in TRAIN_KINDS if (Path(train_dir) / name).is_file()]
         for row in load_conversations(files):
