@@ -159,9 +159,9 @@ def test_pages_to_summarize_join_a_pages_prose_paragraphs_and_the_files_other_re
 
     def texts(source: str) -> list[str]:  # the new requests' texts, out of their wordings
         wordings = [w.split("{text}") for w in SUMMARIZE]
+        contents = [r["messages"][0]["content"] for r in requests if r["source"] == source and r not in without]
         return [min((t[len(head) : len(t) - len(tail)] for head, tail in wordings
-                     if t.startswith(head) and t.endswith(tail)), key=len)
-                for r in requests if r["source"] == source and r not in without for t in [r["messages"][0]["content"]]]
+                     if t.startswith(head) and t.endswith(tail)), key=len) for t in contents]
 
     pages = [page.split("\n\n") for page in texts("qed_nq_train.jsonl")]
     assert len(pages) == 4  # Rivers 0-3; not the list (one paragraph), nor the Rhine (no two paragraphs fit PAGE_WORDS)

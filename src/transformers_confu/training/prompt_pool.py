@@ -50,6 +50,7 @@ import logging
 import random
 import re
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from itertools import accumulate
 from pathlib import Path
 
 from .chat_layouts import to_conversations
@@ -354,11 +355,8 @@ def _qed_pages(path: Path, rng: random.Random) -> Iterator[Request]:
         if title and _prose(row["paragraph_text"]):
             pages.setdefault(title, {})[_untokenized(row["paragraph_text"])] = None
     for title, paragraphs in pages.items():
-        kept: list[str] = []
-        for paragraph in paragraphs:
-            if sum(len(p.split()) for p in [*kept, paragraph]) > PAGE_WORDS:
-                break
-            kept.append(paragraph)
+        totals = accumulate(len(p.split()) for p in paragraphs)  # words up to and with each paragraph
+        kept = [p for p, words in zip(paragraphs, totals) if words <= PAGE_WORDS]
         if len(kept) >= 2:
             text = "\n\n".join([title, *kept] if rng.random() < 0.5 else kept)
             yield _user(rng.choice(SUMMARIZE).format(text=text), "summarization_long", path.name)
