@@ -4,12 +4,14 @@
 # Here (CPU machine, repo root):   bash examples/gpu_session.sh stage ../shared/data/train ../shared/data/prompts
 #   -> .dev/s1 (first half of the target GGUF), .dev/s2 (second half + wheels), .dev/s3 (the prompts of the pool that
 #      the answers dataset does not answer yet, .dev/pool: built from both folders and the dataset's next turns,
-#      packed with xz; the shipped `[con]` adapter for `confu`), .dev/s4 (the training files, for the `train` step
-#      only): the carried folders count towards the 64 MiB that travel; .dev/ is ignored by git (.git/info/exclude).
+#      packed with xz; the rows of the dataset that `continue` and `confu` train on, 32 x STEPS drawn at random from
+#      every shard but the held-out train-00020, rows.parquet: the whole dataset no longer fits the 64 MiB that
+#      travel; the shipped `[con]` adapter for `confu`), .dev/s4 (the training files, for the `train` step only):
+#      the carried folders count towards the 64 MiB that travel; .dev/ is ignored by git (.git/info/exclude).
 # The working tree travels with each call and must stay under 64 MiB with what is carried: before each call
 #   bash examples/gpu_session.sh tree none    # the copy calls: nothing of the repository travels, only .dev/s1 or s2
-#   bash examples/gpu_session.sh tree lease   # the steps: no results/, no ConFu checkpoint (46 MB); checks that
-#                                             # what travels with .dev/s3 fits
+#   bash examples/gpu_session.sh tree lease   # the steps: no results/, no ConFu checkpoint (46 MB), no dataset
+#                                             # (.dev/s3 has its rows); checks that what travels with .dev/s3 fits
 #   bash examples/gpu_session.sh tree all     # afterwards, here: the index as committed again
 # Then, on the device, one call each, back to back (the machine is given back 30 s after a call; with `tree none`
 # this script does not travel, so the first two are plain commands; its temp folder outlasts a call while the machine is warm):
@@ -18,12 +20,16 @@
 #   carry [".dev/s3"]:  bash examples/gpu_session.sh lease    # regen, continue and confu side by side (each is
 #                                                             # launch-bound, so they share the GPU well), then bench
 #   (timeout_s 575; its defaults fill about 560 s: ~60 s of set-up and loading, 4.5 minutes of regen and training,
-#   180 s of bench, 30 s of profile; a machine's start and the two copy calls take ~2 of the 15 minutes)
+#   180 s of bench, 30 s of profile; a machine's start and the two copy calls take ~2 of the 15 minutes). On a card
+#   of under 120 GB (an H100: 80) the three do not fit together (2026-12-06: regen 32 GB, confu 42 GB at batch 32 and
+#   1280 tokens, and continue ran out of memory): regen and continue side by side for 3 minutes, then confu alone
+#   for CONFU_MINUTES (1.5), then 120 s of bench.
 # or the steps one by one, carry [".dev/s3"]:
 #   regen     # issue #22: the target's fp32 greedy answers to the prompt pool, MINUTES (default 4.5) minutes
-#   continue  # issue #22: the shipped EAGLE-3 draft trained on the answers dataset (bf16, the target in the
-#             # loop) for STEPS (default 1500) steps of 32 or TRAIN_MINUTES (default 4.5) minutes; it ran 5.6
-#             # steps/s beside regen (2026-12-04: 400 steps in 71 s), regen 8,000 tokens/s beside it
+#   continue  # issue #22: the shipped EAGLE-3 draft trained on the staged rows of the answers dataset (bf16, the
+#             # target in the loop) for STEPS (default 2000) steps of 32 or TRAIN_MINUTES (default 4.5) minutes; it
+#             # ran 5.6 steps/s beside regen on an H200 (2026-12-04: 400 steps in 71 s, regen 8,000 tokens/s beside
+#             # it), 8.1 steps/s alone on an H100 at 1280 tokens (2026-12-06: 2000 steps in 247 s)
 #   confu     # issue #22's T=0.7 goal: ConFu proper, the shipped draft trained with an `[f]` entry and the shipped
 #             # `[con]` adapter (staged in .dev/s3), the same data and minutes: a first-level prior alone caps
 #             # ConFu / EAGLE-3 tau near 1.03 (results/confu_sampled_acceptance_v16.md), f must reach deeper levels
@@ -52,8 +58,11 @@ prepare_device() {  # the target and the pinned wheels, from the staged halves
   export PYTHONPATH=$site:$PWD/src CONFU_CACHE=/tmp/confu_cache PYTHONUNBUFFERED=1 USE_HUB_KERNELS=0  # no Hub kernels offline
 }
 
-send_back() {  # files of /tmp/$1 into $OUT as one tar in 15 MB parts (16 MiB is the most a file can be to come back)
-  tar -C /tmp/$1 -cf /tmp/$1.tar "${@:2}"
+send_back() {  # files of /tmp/$1 into $OUT as one tar in 15 MB parts (16 MiB is the most a file can be to come back),
+              # those that a step made (one that failed made none)
+  local made=(); for f in "${@:2}"; do [ ! -e /tmp/$1/$f ] || made+=("$f"); done
+  [ ${#made[@]} -gt 0 ] || { echo "send_back: none of ${*:2} was made" >&2; return; }
+  tar -C /tmp/$1 -cf /tmp/$1.tar "${made[@]}"
   split -b 15000000 /tmp/$1.tar "$OUT/$1.tar.part-"
 }
 
@@ -61,20 +70,18 @@ regen() {  # fp32 (the dataset's settings: greedy, 256 new tokens), the answers 
   if ! ls /tmp/s3/pool/prompts_*.jsonl > /dev/null 2>&1; then echo "regen: the dataset answers the whole pool"; return; fi
   if [ -n "${SMOKE:-}" ]; then size=(--max-samples 8 --regenerate-batch-size 4 --regenerate-max-new-tokens 8
     --regenerate-minutes 0.5 --device cpu)
-  else size=(--regenerate-reuse "$dataset" --regenerate-batch-size "${BATCH:-512}" --regenerate-minutes "${MINUTES:-4.5}"
-    --device cuda); fi
+  else size=(--regenerate-batch-size "${BATCH:-512}" --regenerate-minutes "${MINUTES:-4.5}" --device cuda); fi
   python3 -m transformers_confu.training.train --data /tmp/s3/pool --output-dir /tmp/gpu-regen --regenerate \
     --regenerate-only --regenerate-dir /tmp/gpu-regen/answers --max-length 1280 "${size[@]}"  # the long kinds too
   tar -C /tmp/gpu-regen -cJf "$OUT/gpu-answers.tar.xz" answers
 }
 
-continue_draft() {  # the shipped draft on the whole answers dataset less shard 20 (the fresh held-out shard); $1: the
+continue_draft() {  # the shipped draft on the staged rows of the answers dataset (not the held-out shard 20); $1: the
                    # output folder, then extra confu-train flags
-  local data; data=$(ls "$dataset"/data/train-*.parquet | grep -v train-00020)
   if [ -n "${SMOKE:-}" ]; then size=(--max-samples 16 --batch-size 2 --max-steps 2 --max-length 256 --device cpu)
-  else size=(--bf16 --batch-size 32 --max-steps "${STEPS:-1500}" --max-minutes "${TRAIN_MINUTES:-4.5}" --max-length 1280
-    --max-samples $((32 * ${STEPS:-1500})) --device cuda); fi  # rows for the steps only: tokenizing all of them costs minutes
-  python3 -m transformers_confu.training.train --data $data --output-dir "$1" --init-from $drafts-eagle3 \
+  else size=(--bf16 --batch-size 32 --max-steps "${STEPS:-2000}" --max-minutes "${TRAIN_MINUTES:-4.5}" --max-length 1280
+    --device cuda); fi
+  python3 -m transformers_confu.training.train --data .dev/s3/rows.parquet --output-dir "$1" --init-from $drafts-eagle3 \
     --ttt-steps 5 --lr 2e-4 --warmup-steps 10 --save-minutes 60 --seed 22 --tree 2,1,3 "${size[@]}" "${@:2}"
 }
 
@@ -121,7 +128,14 @@ stage)
   wheels .dev/s2/whl "transformers==$version" gguf datasets dill multiprocess regex fsspec
   pins=$(python3 -m pip list --format freeze | grep -i -E '^(huggingface.hub|httpx2|httpcore2|truststore|idna|anyio|h11|click|hf.xet|tokenizers|safetensors|evaluate)==')
   wheels .dev/s3/whl $pins  # transformers' own pins, newer than the device's (s2 has no room left for them)
-  rm -rf .dev/s3/*.tar.xz .dev/s4/*.tar.xz .dev/pool .dev/s3/confu && mkdir -p .dev/s3/confu
+  rm -rf .dev/s3/*.tar.xz .dev/s3/rows.parquet .dev/s4/*.tar.xz .dev/pool .dev/s3/confu && mkdir -p .dev/s3/confu
+  python3 - "$dataset" $((32 * ${STEPS:-2000})) .dev/s3/rows.parquet <<'EOF'
+import sys, pathlib, numpy, pyarrow as pa, pyarrow.parquet as pq
+shards = sorted(s for s in pathlib.Path(sys.argv[1], "data").glob("train-*.parquet") if s.name != "train-00020.parquet")
+rows = pa.concat_tables(pq.read_table(s) for s in shards)  # every shard but the held-out one
+pick = numpy.random.default_rng(22).choice(len(rows), min(int(sys.argv[2]), len(rows)), replace=False)
+pq.write_table(rows.take(numpy.sort(pick)), sys.argv[3], compression="zstd")
+EOF
   cp -r $drafts-confu/contemplate_adapter .dev/s3/confu/  # the `confu` step's starting adapter (74 KB)
   python3 -m transformers_confu.training.prompt_pool --prompts-dir "$prompts" --train-dir "$data" --out .dev/pool \
     --unanswered-in "$dataset"
@@ -134,7 +148,7 @@ tree)  # here: what of the repository travels with the next device call (64 MiB 
   exclude=.git/info/exclude
   case ${2:?none|lease|all} in
   none) git rm -r -q --cached . ;;
-  lease) git reset -q && git rm -r -q --cached results $drafts-confu ;;
+  lease) git reset -q && git rm -r -q --cached results $drafts-confu data ;;
   all) git reset -q && sed -i '\|^/\*$|d' $exclude ;;
   esac
   [ $2 = all ] || grep -qx '/\*' $exclude || echo '/*' >> $exclude  # what is untracked stays here
@@ -156,9 +170,17 @@ confu)
 lease)  # regen, continue and confu side by side, then bench (alone on the GPU, for its timings)
   prepare_device && mkdir -p "$OUT"
   logs=/tmp/gpu-logs && mkdir -p $logs
-  regen > $logs/regen.log 2>&1 & continue_draft /tmp/gpu-drafts/gpu-continued > $logs/continue.log 2>&1 &
-  confu_draft /tmp/gpu-drafts/gpu-confu > $logs/confu.log 2>&1 &
-  wait
+  export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+  if [ -z "${SMOKE:-}" ] && (($(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1) < 120000)); then
+    export TRAIN_MINUTES=${TRAIN_MINUTES:-3} MINUTES=${MINUTES:-3} BENCH_SECONDS=${BENCH_SECONDS:-120}
+    regen > $logs/regen.log 2>&1 & continue_draft /tmp/gpu-drafts/gpu-continued > $logs/continue.log 2>&1 &
+    wait
+    TRAIN_MINUTES=${CONFU_MINUTES:-1.5} confu_draft /tmp/gpu-drafts/gpu-confu > $logs/confu.log 2>&1 || true
+  else
+    regen > $logs/regen.log 2>&1 & continue_draft /tmp/gpu-drafts/gpu-continued > $logs/continue.log 2>&1 &
+    confu_draft /tmp/gpu-drafts/gpu-confu > $logs/confu.log 2>&1 &
+    wait
+  fi
   tail -n 4 $logs/*.log
   tar -C /tmp -cJf "$OUT/gpu-logs.tar.xz" gpu-logs  # one file: 8 come back at most
   send_back gpu-drafts gpu-continued/final gpu-confu/final
