@@ -22,8 +22,8 @@
 #   (timeout_s 575; its defaults fill about 560 s: ~60 s of set-up and loading, 4.5 minutes of regen and training,
 #   180 s of bench, 30 s of profile; a machine's start and the two copy calls take ~2 of the 15 minutes). On a card
 #   of under 120 GB (an H100: 80) the three do not fit together (2026-12-06: regen 32 GB, confu 42 GB at batch 32 and
-#   1280 tokens, and continue ran out of memory): regen and continue side by side for 3 minutes, then confu alone
-#   for CONFU_MINUTES (1.5), then 120 s of bench.
+#   1280 tokens, and continue ran out of memory): regen (batch 256, half the cache) and continue side by side for
+#   3 minutes, then confu alone for CONFU_MINUTES (1.5), then 120 s of bench.
 # or the steps one by one, carry [".dev/s3"]:
 #   regen     # issue #22: the target's fp32 greedy answers to the prompt pool, MINUTES (default 4.5) minutes
 #   continue  # issue #22: the shipped EAGLE-3 draft trained on the staged rows of the answers dataset (bf16, the
@@ -172,7 +172,7 @@ lease)  # regen, continue and confu side by side, then bench (alone on the GPU, 
   logs=/tmp/gpu-logs && mkdir -p $logs
   export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
   if [ -z "${SMOKE:-}" ] && (($(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1) < 120000)); then
-    export TRAIN_MINUTES=${TRAIN_MINUTES:-3} MINUTES=${MINUTES:-3} BENCH_SECONDS=${BENCH_SECONDS:-120}
+    export TRAIN_MINUTES=${TRAIN_MINUTES:-3} MINUTES=${MINUTES:-3} BENCH_SECONDS=${BENCH_SECONDS:-120} BATCH=${BATCH:-256}
     regen > $logs/regen.log 2>&1 & continue_draft /tmp/gpu-drafts/gpu-continued > $logs/continue.log 2>&1 &
     wait
     TRAIN_MINUTES=${CONFU_MINUTES:-1.5} confu_draft /tmp/gpu-drafts/gpu-confu > $logs/confu.log 2>&1 || true
