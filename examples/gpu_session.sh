@@ -130,9 +130,9 @@ stage)
   wheels .dev/s3/whl $pins  # transformers' own pins, newer than the device's (s2 has no room left for them)
   rm -rf .dev/s3/*.tar.xz .dev/s3/rows.parquet .dev/s4/*.tar.xz .dev/pool .dev/s3/confu && mkdir -p .dev/s3/confu
   python3 - "$dataset" $((32 * ${STEPS:-2000})) .dev/s3/rows.parquet <<'EOF'
-import sys, pathlib, numpy, pyarrow as pa, pyarrow.parquet as pq
-shards = sorted(s for s in pathlib.Path(sys.argv[1], "data").glob("train-*.parquet") if s.name != "train-00020.parquet")
-rows = pa.concat_tables(pq.read_table(s) for s in shards)  # every shard but the held-out one
+import sys, numpy, pyarrow.parquet as pq
+from transformers_confu.training.answers_dataset import read_rows
+rows = read_rows(sys.argv[1], leave_out={"train-00020.parquet"})  # every shard but the held-out one
 pick = numpy.random.default_rng(22).choice(len(rows), min(int(sys.argv[2]), len(rows)), replace=False)
 pq.write_table(rows.take(numpy.sort(pick)), sys.argv[3], compression="zstd")
 EOF
@@ -171,15 +171,16 @@ lease)  # regen, continue and confu side by side, then bench (alone on the GPU, 
   prepare_device && mkdir -p "$OUT"
   logs=/tmp/gpu-logs && mkdir -p $logs
   export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+  confu_after=  # under 120 GB the three do not fit together: confu after the other two
   if [ -z "${SMOKE:-}" ] && (($(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1) < 120000)); then
     export TRAIN_MINUTES=${TRAIN_MINUTES:-3} MINUTES=${MINUTES:-3} BENCH_SECONDS=${BENCH_SECONDS:-120} BATCH=${BATCH:-256}
-    regen > $logs/regen.log 2>&1 & continue_draft /tmp/gpu-drafts/gpu-continued > $logs/continue.log 2>&1 &
-    wait
-    TRAIN_MINUTES=${CONFU_MINUTES:-1.5} confu_draft /tmp/gpu-drafts/gpu-confu > $logs/confu.log 2>&1 || true
+    confu_after=1
+  fi
+  regen > $logs/regen.log 2>&1 & continue_draft /tmp/gpu-drafts/gpu-continued > $logs/continue.log 2>&1 &
+  if [ -n "$confu_after" ]; then
+    wait; TRAIN_MINUTES=${CONFU_MINUTES:-1.5} confu_draft /tmp/gpu-drafts/gpu-confu > $logs/confu.log 2>&1 || true
   else
-    regen > $logs/regen.log 2>&1 & continue_draft /tmp/gpu-drafts/gpu-continued > $logs/continue.log 2>&1 &
-    confu_draft /tmp/gpu-drafts/gpu-confu > $logs/confu.log 2>&1 &
-    wait
+    confu_draft /tmp/gpu-drafts/gpu-confu > $logs/confu.log 2>&1 & wait
   fi
   tail -n 4 $logs/*.log
   tar -C /tmp -cJf "$OUT/gpu-logs.tar.xz" gpu-logs  # one file: 8 come back at most

@@ -48,6 +48,7 @@ def test_append_read_reuse_and_refuse(tmp_path):
     rows = datasets.load_dataset(str(folder), split="train", cache_dir=str(tmp_path / "hf"))
     assert len(rows) == 7 and sum(rows["answer_tokens"]) == card["answer_tokens"]
     assert sorted(m[0]["content"] for m in rows["messages"]) == PROMPTS  # in the order they were answered
+    assert answers_dataset.read_rows(folder, leave_out={"train-00000.parquet"})["messages"].to_pylist() == rows["messages"][4:]
     conversations = load_conversations(find_sources([str(folder)]))
     assert conversations["messages"] == rows["messages"] and conversations[0]["messages"][-1]["role"] == "assistant"
 

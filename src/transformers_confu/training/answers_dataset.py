@@ -27,7 +27,7 @@ import io
 import json
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from pathlib import Path
 
 import pyarrow as pa
@@ -62,9 +62,10 @@ def read_card(folder: str | Path) -> dict:
     return yaml.safe_load(text[4 : text.index("\n---\n", 4)]) or {}
 
 
-def read_rows(folder: str | Path) -> pa.Table:
-    """All rows of the dataset in `folder`, shard after shard (an empty table if it has none)."""
-    shards = sorted((Path(folder) / SHARDS).glob("train-*.parquet"))
+def read_rows(folder: str | Path, leave_out: Collection[str] = ()) -> pa.Table:
+    """All rows of the dataset in `folder`, shard after shard (an empty table if it has none), but those of the
+    shards named in `leave_out` (file names, e.g. a held-out `train-00020.parquet`)."""
+    shards = sorted(s for s in (Path(folder) / SHARDS).glob("train-*.parquet") if s.name not in leave_out)
     return pa.concat_tables([pq.read_table(s, schema=SCHEMA) for s in shards]) if shards else SCHEMA.empty_table()
 
 
