@@ -94,6 +94,8 @@ def run_arms(arms: list[str], train_args: list[str], threads: int, workdir: Path
     if "--max-steps" not in train_args:
         raise SystemExit("give confu-train a --max-steps: its progress bar counts to it")
     max_steps = int(train_args[train_args.index("--max-steps") + 1])
+    if any((workdir / f"arm{k}").exists() for k in range(len(arms))):
+        raise SystemExit(f"{workdir} holds an earlier run (confu-train would resume it): give a new --workdir")
     results, followers, procs = {}, [], []
     for k, arm in enumerate(arms):
         name, _, settings = arm.partition(":")
