@@ -22,8 +22,10 @@
 #   (timeout_s 575; its defaults fill about 560 s: ~60 s of set-up and loading, 4.5 minutes of regen and training,
 #   180 s of bench, 30 s of profile; a machine's start and the two copy calls take ~2 of the 15 minutes). On a card
 #   of under 120 GB (an H100: 80) the three do not fit together (2026-12-06: regen 32 GB, confu 42 GB at batch 32 and
-#   1280 tokens, and continue ran out of memory): regen (batch 256, half the cache) and continue side by side for
-#   3 minutes, then confu alone for CONFU_MINUTES (1.5), then 120 s of bench.
+#   1280 tokens, and continue ran out of memory): regen (batch 256, half the cache, 3 minutes) and continue side by
+#   side, continue alone once regen ends (5 minutes in all: ~2,000 steps), then 120 s of bench; confu only with
+#   CONFU_MINUTES > 0 (its 262-step pilot left f unused, results/confu_entry_pilot_gpu.md: the minutes go to the
+#   depth-0 and tau goals, which the last lease's 2,000 steps moved most, results/eagle3_v21_training.md).
 # or the steps one by one, carry [".dev/s3"]:
 #   regen     # issue #22: the target's fp32 greedy answers to the prompt pool, MINUTES (default 4.5) minutes
 #   continue  # issue #22: the shipped EAGLE-3 draft trained on the staged rows of the answers dataset (bf16, the
@@ -171,14 +173,17 @@ lease)  # regen, continue and confu side by side, then bench (alone on the GPU, 
   prepare_device && mkdir -p "$OUT"
   logs=/tmp/gpu-logs && mkdir -p $logs
   export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
-  confu_after=  # under 120 GB the three do not fit together: confu after the other two
+  confu_after=  # under 120 GB the three do not fit together: confu after the other two, if at all
   if [ -z "${SMOKE:-}" ] && (($(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1) < 120000)); then
-    export TRAIN_MINUTES=${TRAIN_MINUTES:-3} MINUTES=${MINUTES:-3} BENCH_SECONDS=${BENCH_SECONDS:-120} BATCH=${BATCH:-256}
+    export TRAIN_MINUTES=${TRAIN_MINUTES:-5} MINUTES=${MINUTES:-3} BENCH_SECONDS=${BENCH_SECONDS:-120} BATCH=${BATCH:-256}
     confu_after=1
   fi
   regen > $logs/regen.log 2>&1 & continue_draft /tmp/gpu-drafts/gpu-continued > $logs/continue.log 2>&1 &
   if [ -n "$confu_after" ]; then
-    wait; TRAIN_MINUTES=${CONFU_MINUTES:-1.5} confu_draft /tmp/gpu-drafts/gpu-confu > $logs/confu.log 2>&1 || true
+    wait
+    if [ "${CONFU_MINUTES:-0}" != 0 ]; then
+      TRAIN_MINUTES=$CONFU_MINUTES confu_draft /tmp/gpu-drafts/gpu-confu > $logs/confu.log 2>&1 || true
+    fi
   else
     confu_draft /tmp/gpu-drafts/gpu-confu > $logs/confu.log 2>&1 & wait
   fi
