@@ -4,7 +4,8 @@
   decoded by `generate` with the in-place growing cache until its longest answer ends;
 - `static:B`: the same with transformers' static cache (the CUDA default);
 - `refill:B` (`continuous_batching`, the default now): B rows, each refilled with the next prompt as soon as
-  its answer ends; `refill:B:P` prefills the prompts in passes of P rows (default 8; before: all B at once);
+  its answer ends; `refill:B:P` prefills the prompts in passes of P rows (default 8; before: all B at once),
+  `refill:B:P:T` of at most T padded tokens too (`none`: no bound, as before `prefill_passes`; default `auto`);
 - the prefill rate (prompt tokens/s of one forward over a batch of B prompts) is the ceiling of any of them.
 
 The prompts are drawn from those a regeneration folder has answered already (`--answers`), so that each way's
@@ -46,9 +47,12 @@ def run_way(way: str, model, tokenizer, prompts: list[list[int]], max_new_tokens
     batch = int(batch)
     start = time.perf_counter()
     if name == "refill":
+        rows = int(passes[0]) if passes else 8
+        budget = passes[1] if len(passes) > 1 else "auto"
+        budget = None if budget == "none" else budget if budget == "auto" else int(budget)
         answers = {i: t for i, t, _ in stream_answers(model, prompts, max_new_tokens, eos, batch_size=batch,
-                                                      pad_token_id=tokenizer.pad_token_id,
-                                                      prefill_rows=int(passes[0]) if passes else 8)}
+                                                      pad_token_id=tokenizer.pad_token_id, prefill_rows=rows,
+                                                      prefill_tokens=budget)}
         answers = [answers[i] for i in range(len(prompts))]
     else:
         settings = RegenerationSettings("bench", max_new_tokens=max_new_tokens)

@@ -8,7 +8,7 @@ from conftest import chat_tokenizer, tiny_target
 from test_data import REGEN_CONVS, _dataset, _tiny_chat_model
 
 from transformers_confu.training import continuous_batching
-from transformers_confu.training.continuous_batching import stream_answers
+from transformers_confu.training.continuous_batching import prefill_passes, stream_answers
 from transformers_confu.training.regenerate import (
     LEGACY_FINGERPRINTS,
     canonical_fingerprint,
@@ -45,15 +45,27 @@ def test_refilled_rows_answer_as_generate_alone(arch, monkeypatch):
         return keep(self, rows, start)
 
     monkeypatch.setattr(continuous_batching._Batch, "_keep", spy)
-    for batch_size, refill_rows, prefill_rows in [(4, 1, 8), (5, None, 2), (8, 3, 3), (64, None, 8), (64, None, 64)]:
+    for batch_size, refill_rows, prefill_rows, prefill_tokens in [
+            (4, 1, 8, "auto"), (5, None, 2, None), (8, 3, 3, 40), (64, None, 8, "auto"), (64, None, 64, None),
+            (64, None, 64, 100)]:
         got = list(stream_answers(model, prompts, 30, [EOS], batch_size=batch_size, refill_rows=refill_rows,
-                                  prefill_rows=prefill_rows))
+                                  prefill_rows=prefill_rows, prefill_tokens=prefill_tokens))
         assert sorted(i for i, _, _ in got) == list(range(len(prompts)))
         for i, tokens, ended in got:
             assert tokens == alone[i] and ended == (tokens[-1] == EOS)
     assert any(start < 0 for _, start in edits)  # the cache was widened for a longer prompt
     assert any(start > 0 for _, start in edits)  # positions no row sees were cut
     assert any(dropped for dropped, _ in edits)  # free rows were dropped at the end
+
+
+def test_prefill_passes_bound_rows_and_padded_tokens():
+    lengths = [3, 5, 5, 9, 30, 31, 2]
+    assert prefill_passes(lengths, 8, None) == [range(0, 7)]
+    assert prefill_passes(lengths, 3, None) == [range(0, 3), range(3, 6), range(6, 7)]
+    # rows x longest <= 20: 3 x 5 fits, 4 x 9 does not; 30 and 31 exceed it and go alone
+    assert prefill_passes(lengths, 8, 20) == [range(0, 3), range(3, 4), range(4, 5), range(5, 6), range(6, 7)]
+    assert prefill_passes(lengths, 8, 1) == [range(i, i + 1) for i in range(7)]
+    assert prefill_passes([], 8, 20) == []
 
 
 def test_sampled_answers_do_not_depend_on_the_batch():

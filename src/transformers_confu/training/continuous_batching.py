@@ -100,14 +100,32 @@ def _pad_left(states: torch.Tensor, width: int) -> torch.Tensor:
     return torch.nn.functional.pad(states, (0, 0, width - states.shape[-2], 0))
 
 
-def _prefill(model, prompts: list[Sequence[int]], pad_token_id: int, cache: DynamicCache, prefill_rows: int = 8):
-    """Run prompts through `model` into `cache`, left-padded to the longest, in passes of `prefill_rows` prompts
-    (each padded to its own longest; one pass over 64 prompts ran 4x slower a token on a CPU,
-    `results/regen_prefill_rows.md`); return their mask and last-position logits."""
+# Largest padded pass (rows x longest prompt) of a prefill on a CPU: prompts of 700-1,216 tokens ran 193 prompt tokens/s
+# in passes of 8, 266 alone; shorter ones were level within noise (`results/prefill_passes.md`).
+CPU_PREFILL_TOKENS = 1024
+
+
+def prefill_passes(lengths: Sequence[int], max_rows: int, max_tokens: int | None) -> list[range]:
+    """Consecutive groups of at most `max_rows` prompts whose padded size (rows x longest) is at most
+    `max_tokens` (None: no limit); a prompt longer than `max_tokens` gets a pass of its own."""
+    passes, start, longest = [], 0, 0
+    for i, length in enumerate(lengths):
+        longest = max(longest, length)
+        if i > start and (i - start == max_rows or (max_tokens is not None and (i - start + 1) * longest > max_tokens)):
+            passes.append(range(start, i))
+            start, longest = i, length
+    return passes + [range(start, len(lengths))] if lengths else passes
+
+
+def _prefill(model, prompts: list[Sequence[int]], pad_token_id: int, cache: DynamicCache, prefill_rows: int = 8,
+             prefill_tokens: int | None = None):
+    """Run prompts through `model` into `cache` in passes (`prefill_passes`), each left-padded to its own longest
+    (one pass over 64 prompts ran 4x slower a token on a CPU, `results/regen_prefill_rows.md`), their keys and
+    values then left-padded to the longest of all; return their mask and last-position logits."""
     width, device = max(map(len, prompts)), model.device
     parts, masks, logits = [], [], []
-    for start in range(0, len(prompts), prefill_rows):
-        input_ids, mask = left_padded(prompts[start : start + prefill_rows], pad_token_id)
+    for rows in prefill_passes([len(p) for p in prompts], prefill_rows, prefill_tokens):
+        input_ids, mask = left_padded([prompts[i] for i in rows], pad_token_id)
         positions = (mask.long().cumsum(-1) - 1).clamp(min=0)  # as `generate` numbers left-padded rows
         part = DynamicCache(config=model.config)
         logits.append(model(input_ids=input_ids.to(device), attention_mask=mask.to(device),
@@ -149,18 +167,22 @@ def stream_answers(
     pad_token_id: int = 0,
     stop: Callable[[], bool] | None = None,
     prefill_rows: int = 8,
+    prefill_tokens: int | str | None = "auto",
 ) -> Iterator[tuple[int, list[int], bool]]:
     """Yield `(prompt index, new token ids, ended with an EOS token)` for each of `prompts` (token ids), as
     their answers end, decoding at most `batch_size` rows at a time. Waiting prompts are prefilled once
     `refill_rows` rows (default: an eighth of the batch) are free. Sampled rows (`temperature` > 0) use a
     generator seeded with `seeds[i]` for prompt i. Once `stop()` is true no more prompts are started; the
-    running ones are finished. Prompts are prefilled in passes of at most `prefill_rows`."""
+    running ones are finished. Prompts are prefilled in passes of at most `prefill_rows` prompts and
+    `prefill_tokens` padded tokens ("auto": `CPU_PREFILL_TOKENS` on a CPU, no limit elsewhere; None: none)."""
     if not full_attention(model.config):
         raise ValueError("continuous batching needs a model whose layers all attend to the full context")
     if temperature > 0 and (seeds is None or len(seeds) != len(prompts)):
         raise ValueError("sampling needs one seed per prompt")
     eos = set(eos_token_ids)
     refill_rows = refill_rows or max(1, batch_size // 8)
+    if prefill_tokens == "auto":
+        prefill_tokens = CPU_PREFILL_TOKENS if model.device.type == "cpu" else None
     waiting, batch = deque(range(len(prompts))), None
     generators: dict[int, torch.Generator] = {}
     while True:
@@ -168,7 +190,8 @@ def stream_answers(
         if waiting and not (stop and stop()) and (batch is None or len(free) >= min(refill_rows, len(waiting))):
             taken = [waiting.popleft() for _ in range(min(len(free) if batch else batch_size, len(waiting)))]
             cache = growing_cache(model.config, reserve=max_new_tokens) if batch is None else DynamicCache(config=model.config)
-            mask, logits = _prefill(model, [prompts[i] for i in taken], pad_token_id, cache, prefill_rows)
+            mask, logits = _prefill(model, [prompts[i] for i in taken], pad_token_id, cache, prefill_rows,
+                                    prefill_tokens)
             if temperature > 0:
                 generators.update({i: torch.Generator().manual_seed(int(seeds[i])) for i in taken})
             first = next_tokens(logits, temperature, top_p, [generators.get(i) for i in taken])
