@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
+from typing import Literal
 
 import torch
 from transformers.cache_utils import DynamicCache
@@ -167,7 +168,7 @@ def stream_answers(
     pad_token_id: int = 0,
     stop: Callable[[], bool] | None = None,
     prefill_rows: int = 8,
-    prefill_tokens: int | str | None = "auto",
+    prefill_tokens: int | Literal["auto"] | None = "auto",
 ) -> Iterator[tuple[int, list[int], bool]]:
     """Yield `(prompt index, new token ids, ended with an EOS token)` for each of `prompts` (token ids), as
     their answers end, decoding at most `batch_size` rows at a time. Waiting prompts are prefilled once
