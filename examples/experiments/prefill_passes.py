@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import platform
 import random
 import time
@@ -24,17 +25,17 @@ from transformers.cache_utils import DynamicCache
 from transformers_confu import load_target
 from transformers_confu.training.continuous_batching import _prefill
 from transformers_confu.training.data import render
+from transformers_confu.training.prompt_pool import read_jsonl
 
 
 def bucket_prompts(tokenizer, files: list[str], low: int, high: int, count: int, seed: int) -> list[list[int]]:
     """`count` random prompts of `files` whose chat-rendered token ids number `low` to `high`, shortest first (as
     regeneration sorts a refill group)."""
-    rows = [line for f in files for line in Path(f).read_text(encoding="utf-8").splitlines() if line.strip()]
+    rows = [row for f in files for row in read_jsonl(Path(f))]
     random.Random(seed).shuffle(rows)
     out = []
-    for line in rows:
-        ids = tokenizer(render(tokenizer, json.loads(line)["messages"], add_generation_prompt=True),
-                        add_special_tokens=False)["input_ids"]
+    for row in rows:
+        ids = tokenizer(render(tokenizer, row["messages"], add_generation_prompt=True), add_special_tokens=False)["input_ids"]
         if low <= len(ids) <= high:
             out.append(ids)
             if len(out) == count:
@@ -71,7 +72,7 @@ def main() -> None:
               "buckets": {}}
     for bucket in args.buckets:
         low, high = map(int, bucket.split(":"))
-        count = args.group * max(1, -(-args.tokens * 2 // ((low + high) * args.group)))
+        count = args.group * max(1, math.ceil(args.tokens / ((low + high) / 2 * args.group)))  # whole groups
         prompts = bucket_prompts(tokenizer, args.prompts, low, high, count, args.seed)
         prefill_rate(model, prompts[: args.group], args.group, None, tokenizer.pad_token_id)  # warm-up
         rates = {str(b).lower(): prefill_rate(model, prompts, args.group, b, tokenizer.pad_token_id) for b in budgets}
