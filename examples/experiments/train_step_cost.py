@@ -1,6 +1,7 @@
 """Where a draft-training step's time goes, with the target in the loop: the target's forward (features), its
 greedy token over the full vocabulary (the `full_acc` metric), the TTT loss's forward and its backward, as
-`ConFuTrainer.compute_loss` runs them (bfloat16 autocast for the draft, oneDNN-packed weights).
+`ConFuTrainer.compute_loss` runs them (bfloat16 autocast for the draft as with `--bf16`, or float32 with `--autocast
+none`; oneDNN-packed weights).
 
 Run it on two checkouts of the library with the same arguments to compare them (alternate the runs on a
 shared machine):
@@ -36,6 +37,8 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--ttt-steps", type=int, default=5)
     p.add_argument("--target-dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    p.add_argument("--autocast", default="bfloat16", choices=["bfloat16", "none"],
+                   help="the draft's mixed precision (none: float32, as confu-train without --bf16)")
     p.add_argument("--draft", default=SHIPPED_DRAFT)
     p.add_argument("--label", default="")
     p.add_argument("--out", default=None, help="write the per-part seconds as JSON here")
@@ -67,7 +70,7 @@ def main() -> None:
         lap()
         target_ids = target_argmax(target, last)
         lap()
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.autocast == "bfloat16"):
             loss, _ = ttt_loss(draft, features, teacher_logits(target, last, draft.d2t), batch["input_ids"],
                                batch["loss_mask"], batch["attention_mask"], steps=args.ttt_steps, target_ids=target_ids)
         lap()
@@ -80,7 +83,8 @@ def main() -> None:
                 seconds[part] += t
     total = sum(seconds.values())
     result = {"label": args.label, "library": transformers_confu.__file__, "threads": torch.get_num_threads(),
-              "target_dtype": args.target_dtype, "batches": args.batches, "batch_size": args.batch_size,
+              "target_dtype": args.target_dtype, "autocast": args.autocast,
+              "batches": args.batches, "batch_size": args.batch_size,
               "tokens": tokens, "seconds": seconds, "total_seconds": total, "tokens_per_second": tokens / total}
     print(json.dumps(result, indent=1))
     if args.out:
