@@ -9,7 +9,8 @@ and the draft's nodes against the suffix candidates, whose scores are calibrated
 by probability bin, TTT depth and rank. `bench` answers the dev first turns with plain `generate` and, per
 question and in turn, the shipped assistant as it ranks now and with its top tokens' log-probabilities replaced by
 the logs of their fitted hit rates (the pooled rank-0 curve, interpolated; other ranks unchanged), at the trees
-given (default: the default hybrid and the draft alone's saved tree), every output checked against plain `generate`.
+given (default: the default hybrid and the draft alone's saved tree), through confu-bench's `run_bench` (methods
+interleaved per question, a warm-up call each, every output checked against plain `generate`) and its tables.
 
     OMP_NUM_THREADS=1 python examples/experiments/draft_calibration.py fit --rows 240 \
         --shards train-00021.parquet train-00074.parquet --out results/draft_calibration_fit.json
@@ -23,14 +24,14 @@ import argparse
 import json
 import platform
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from transformers_confu import ConFuAssistant, ConFuDraftModel, load_target
-from transformers_confu.benchmark.questions import chat_input_ids, load_questions
+from transformers_confu.benchmark.bench import Method, _speculative, markdown, run_bench, summarize
+from transformers_confu.benchmark.questions import PACKAGED_QUESTIONS, load_questions
 from transformers_confu.decoding import tree
 from transformers_confu.models.target import DEFAULT_DRAFT, EAGLE3_DRAFT
 from transformers_confu.training.data import DataCollatorForDraft
@@ -102,52 +103,36 @@ def calibrated_pick(curve: list[list[float]]):
 def bench(args) -> None:
     model, tokenizer = load_target()
     raw, calibrated = calibrated_pick(json.loads(Path(args.fit).read_text())["curve"])
-    assistants = {}
+
+    def ranked(run):
+        """`run` with the calibrated ranking in place for the call."""
+        def call(ids, n):
+            tree._pick = calibrated
+            try:
+                return run(ids, n)
+            finally:
+                tree._pick = raw
+        return call
+
+    methods = [Method("generate", lambda ids, n: (model.generate(ids, attention_mask=torch.ones_like(ids),
+                                                                 max_new_tokens=n, do_sample=False), None))]
     for spec in args.trees:  # hybrid:d,k,n,s or alone:d,k,n
         kind, numbers = spec.split(":")
         d, k, n, *s = map(int, numbers.split(","))
-        budget = dict(depth=d, top_k=k, total_tokens=n)
         name = f"{'hybrid' if kind == 'hybrid' else 'draft alone'} d{d}k{k}n{n}" + (f"s{s[0]}" if s else "")
-        assistants[name] = ConFuAssistant.from_pretrained(
-            DEFAULT_DRAFT, target_model=model, **budget, **(dict(suffix_nodes=s[0]) if s else dict(suffix=False)))
-    methods = ["generate"] + [f"{name}, {way}" for name in assistants for way in ("raw", "calibrated")]
-    totals = {m: dict(tokens=0, seconds=0.0, passes=0, identical=0) for m in methods}
-    questions = load_questions(per_category=args.per_category)
-    for n, question in enumerate(questions, 1):
-        ids = chat_input_ids(tokenizer, question["turns"][:1])
-        reference = None
-        for method in methods:
-            kwargs = {}
-            if method != "generate":
-                name, way = method.split(", ")
-                kwargs["assistant_model"] = assistants[name]
-                tree._pick = calibrated if way == "calibrated" else raw
-            start = time.perf_counter()
-            out = model.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=False, **kwargs)
-            seconds = time.perf_counter() - start
-            tree._pick = raw
-            new = out[0, ids.shape[1]:]
-            reference = new if reference is None else reference
-            t = totals[method]
-            t["tokens"] += new.numel()
-            t["seconds"] += seconds
-            t["passes"] += new.numel() if method == "generate" else kwargs["assistant_model"].stats.target_forwards
-            t["identical"] += int(torch.equal(new, reference))
-        print(f"{n}/{len(questions)} " + ", ".join(f"{m}: {totals[m]['tokens'] / totals[m]['passes']:.2f}"
-                                                  for m in methods[1:]), flush=True)
-    base = totals["generate"]["tokens"] / totals["generate"]["seconds"]
-    rows = [dict(method=m, tau=t["tokens"] / t["passes"], tokens_per_second=t["tokens"] / t["seconds"],
-                 speed_up=t["tokens"] / t["seconds"] / base, identical=f"{t['identical']}/{len(questions)}")
-            for m, t in totals.items()]
-    record = {"command": " ".join(["python", *sys.argv]), "machine": platform.processor() or platform.machine(),
-              "threads": torch.get_num_threads(), "questions": len(questions), "max_new_tokens": args.max_new_tokens,
-              "rows": rows}
-    Path(f"{args.out}.json").write_text(json.dumps(record, indent=1))
-    table = ["| method | tau | tokens/s | speed-up | identical to generate |", "|---|---|---|---|---|"]
-    table += [f"| {r['method']} | {r['tau']:.3f} | {r['tokens_per_second']:.2f} | {r['speed_up']:.2f}x | "
-              f"{r['identical']} |" for r in rows]
-    Path(f"{args.out}.md").write_text("\n".join(table) + "\n")
-    print("\n".join(table))
+        assistant = ConFuAssistant.from_pretrained(DEFAULT_DRAFT, target_model=model, depth=d, top_k=k, total_tokens=n,
+                                                   **(dict(suffix_nodes=s[0]) if s else dict(suffix=False)))
+        run = _speculative(model, assistant, dict(do_sample=False), "saved")
+        methods += [Method(f"{name}, raw", run, assistant), Method(f"{name}, calibrated", ranked(run), assistant)]
+    questions = [{**q, "turns": q["turns"][:1]} for q in load_questions(per_category=args.per_category)]
+    records, mismatches, _ = run_bench(model, tokenizer, methods, questions, args.max_new_tokens, 0, greedy=True)
+    table = summarize(records, True, mismatches)
+    meta = dict(target="smollm2-135m-instruct", hardware=f"{platform.machine()} CPU, {torch.get_num_threads()} threads",
+                questions=len(questions), question_file=PACKAGED_QUESTIONS, max_new_tokens=args.max_new_tokens,
+                temperature=0.0, seed=0, command=" ".join(["python", *sys.argv]))
+    Path(f"{args.out}.json").write_text(json.dumps(dict(meta=meta, table=table, mismatches=mismatches), indent=1))
+    Path(f"{args.out}.md").write_text(markdown(table, meta))
+    print(markdown(table, meta))
 
 
 def main() -> None:
