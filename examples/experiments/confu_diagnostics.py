@@ -43,7 +43,6 @@ from transformers import DynamicCache, GenerationConfig
 
 from transformers_confu import load_target
 from transformers_confu.decoding.assistant import load_adapter, load_draft
-from transformers_confu.decoding.generation import _probs, logits_warpers
 from transformers_confu.models.target import CONFU_DRAFT
 from transformers_confu.training.anchors import (
     future_token_loss,
@@ -104,7 +103,7 @@ def main() -> None:
     p.add_argument("--out", required=True, help="writes OUT.json and OUT.md")
     args = p.parse_args()
     target, tokenizer = load_target()
-    warpers = None if args.temperature is None else logits_warpers(
+    warpers = None if args.temperature is None else target._get_logits_processor(  # generate's own list
         GenerationConfig(do_sample=True, temperature=args.temperature, top_k=args.top_k))
     path = args.draft or CONFU_DRAFT
     draft, adapter = load_draft(path), load_adapter(args.adapter or path)
@@ -147,7 +146,8 @@ def main() -> None:
         for name, combine in COMBINERS.items():
             per_anchor[f"mix_{name}"].append(draft.d2t[combine(draft_logp, con_logp).argmax(-1)] == wanted)
         if args.temperature is not None:
-            target_probs = _probs(target.get_output_embeddings()(last[0, at + 1]), warpers)[:, draft.d2t]
+            target_logits = target.get_output_embeddings()(last[0, at + 1]).float()
+            target_probs = warpers(None, target_logits).softmax(-1)[:, draft.d2t]
             for w in SAMPLED_WEIGHTS:
                 for scale in DRAFT_TEMPERATURE_SCALES:
                     td = round(scale * args.temperature, 4)

@@ -155,3 +155,20 @@ def test_draft_dtypes_run_each_draft_once_per_dtype_and_are_recorded(tmp_path, c
     with pytest.raises(SystemExit):  # refused before the target loads: the folder need not exist
         main(["--target", str(tmp_path / "nowhere"), "--draft-dtypes", "bf16"])
     assert "--draft-dtypes 'bf16': choose among auto, float32, bfloat16, float16" in capsys.readouterr().err
+
+
+def test_generate_kwargs_reach_every_method_and_are_recorded(tmp_path):
+    """`--generate-kwargs`: the same logits processors for plain generate and the drafts, still identical."""
+    save_target_and_draft(tmp_path)
+    common = ["--target", str(tmp_path / "target"), "--drafts", str(tmp_path / "draft"), "--questions",
+              str(write_questions(tmp_path / "q.jsonl")), "--max-new-tokens", "16", "--trees", "3,2,5",
+              "--prompt-lookup", "0", "--turns", "1"]
+    penalized = main(common + ["--generate-kwargs", '{"repetition_penalty": 1.5, "no_repeat_ngram_size": 2}',
+                               "--out", str(tmp_path / "penalized")])
+    assert penalized["mismatches"] == {} and penalized["table"]["eagle3:draft:d3k2n5"]["overall"]["identical"] is True
+    assert penalized["meta"]["generate_kwargs"] == {"repetition_penalty": 1.5, "no_repeat_ngram_size": 2}
+    assert "repetition_penalty=1.5, no_repeat_ngram_size=2" in (tmp_path / "penalized.md").read_text()
+    main(common + ["--out", str(tmp_path / "plain")])
+    answers = [[json.loads(line)["choices"][0]["turns"] for line in
+                (tmp_path / f"{run}_answers" / "generate.jsonl").read_text().splitlines()] for run in ("penalized", "plain")]
+    assert answers[0] != answers[1]  # the settings changed plain generate's answers too

@@ -8,9 +8,10 @@ from conftest import tiny_target, tiny_tokenizer
 from test_generation import make_assistant
 from test_sampling import SAMPLES, TEMPERATURE, TOP_K, exact_distribution, p_value
 from transformers import GenerationConfig
+from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 import transformers_confu.decoding.batched as batched
-from transformers_confu import ConFuAssistant, ConFuDraftConfig
+from transformers_confu import ConFuAssistant, ConFuDraftConfig, SuffixAssistant
 from transformers_confu.decoding.batched import BatchStats, RowDrafters, batch_budget, batched_generate
 from transformers_confu.decoding.generation import TreeBudget
 from transformers_confu.decoding.oracle import OracleDrafter
@@ -255,3 +256,21 @@ def test_auto_budget_policy_and_plain_fallback():
     assert torch.equal(out, ref) and assistant.stats.mode == "eager"
     out = plain(target, ids[:2], mask[:2], max_new_tokens=6, assistant_model=assistant)  # batch 2: a chain
     assert torch.equal(out, plain(target, ids[:2], mask[:2], max_new_tokens=6)) and assistant.stats.mode == "eager"
+
+
+def test_return_dict_in_generate_holds_the_sequences():
+    """`return_dict_in_generate=True`: a `GenerateDecoderOnlyOutput` whose sequences are plain generate's."""
+    target = tiny_target()
+    ids = torch.randint(0, 128, (1, 6), generator=torch.Generator().manual_seed(2))
+    ref = target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=0, max_new_tokens=10)
+    for assistant in (make_assistant(target), SuffixAssistant(target)):
+        out = target.generate(ids, max_new_tokens=10, do_sample=False, assistant_model=assistant,
+                              return_dict_in_generate=True)
+        assert isinstance(out, GenerateDecoderOnlyOutput) and torch.equal(out.sequences, ref) and out.scores is None
+    batch, mask = left_padded(1, [5, 9, 3])
+    ref = target.generate(batch, attention_mask=mask, do_sample=False, pad_token_id=0, max_new_tokens=10)
+    for tree in (dict(tree_depth=2, tree_top_k=1, tree_total_tokens=3), {}):  # a chain; the policy's plain generate
+        out = target.generate(batch, attention_mask=mask, do_sample=False, pad_token_id=0, max_new_tokens=10,
+                              assistant_model=make_assistant(target), return_dict_in_generate=True, **tree)
+        assert isinstance(out, GenerateDecoderOnlyOutput) and torch.equal(out.sequences, ref)
+    assert out.past_key_values is not None  # plain generate's own output

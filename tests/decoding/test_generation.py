@@ -192,13 +192,13 @@ def test_plain_generate_untouched_by_wrapping():
     [
         (dict(input_ids=torch.zeros(1, 0, dtype=torch.long)), "empty"),
         (dict(num_beams=2), "num_beams"),
-        (dict(repetition_penalty=1.2), "repetition_penalty"),
+        (dict(guidance_scale=2.0), "guidance_scale"),
         (dict(attention_mask=torch.tensor([[1, 1, 1, 0]])), "Right padding"),
         (dict(max_new_tokens=600), "context"),
         (dict(stop_strings=["x"]), "tokenizer"),
         (dict(tree_total_tokens=0), "Tree budget"),
         (dict(tree_top_k=65), "exceeds the draft vocabulary"),
-        (dict(return_dict_in_generate=True), "return_dict_in_generate"),
+        (dict(return_dict_in_generate=True, output_scores=True), "output_scores"),
         (dict(cache_implementation="offloaded"), "cache_implementation"),
     ],
 )

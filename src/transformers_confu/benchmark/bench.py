@@ -263,7 +263,8 @@ def markdown(table: dict, meta: dict) -> str:
     categories = [c for c in next(iter(table.values())) if c != "overall"] + ["overall"]
     lines = [f"# confu-bench: {meta['target']}, {meta['hardware']}", "",
              f"{meta['questions']} questions from `{meta['question_file']}`, max {meta['max_new_tokens']} new tokens, "
-             f"temperature {meta['temperature']}, seed {meta['seed']}" + (
+             f"temperature {meta['temperature']}, seed {meta['seed']}" + "".join(
+                 f", {name}={value!r}" for name, value in meta.get("generate_kwargs", {}).items()) + (
                  f", in batches of {meta['batch_size']} first turns (left-padded; tokens/s over the batch, tau per row)"
                  if meta.get("batch_size", 1) > 1 else "") + ".", "", f"Command: `{meta['command']}`", "",
              "tau: tokens per target pass (n/a where transformers does not report it).", "",
@@ -415,6 +416,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--width", default="fixed", help="suffix and hybrid methods, comma-separated: fixed (each round "
                    "verifies the whole budget), auto (a per-round width from the candidates' estimates and this machine's "
                    "verify costs; eager batch-1 loop only; named <method>:auto-width)")
+    p.add_argument("--generate-kwargs", type=json.loads, default={}, metavar="JSON",
+                   help="more generate() settings for every method, plain generate included, e.g. "
+                        "'{\"repetition_penalty\": 1.2, \"no_repeat_ngram_size\": 4}'")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--batch-size", type=int, default=1,
                    help="B > 1: first turns B at a time (left-padded batches), plain batched generate as the reference "
@@ -463,6 +467,7 @@ def _main(args: argparse.Namespace, argv) -> dict:
     model, tokenizer = load_target(args.target, torch_dtype=getattr(torch, dtype), device=args.device)
     greedy = args.temperature == 0
     sampling = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=args.temperature)
+    sampling.update(args.generate_kwargs)
     trees, hybrid_trees = _budgets(args.trees), _budgets(args.hybrid_trees)
     suffix = tuple(x.strip() for x in args.suffix.split(",") if x.strip())
     if not set(suffix) <= {"suffix", "suffix-corpus", "hybrid"}:
@@ -516,7 +521,8 @@ def _main(args: argparse.Namespace, argv) -> dict:
                 if model.device.type == "cpu" else torch.cuda.get_device_name(model.device), dtype=dtype,
                 questions=len(questions),
                 question_file=args.questions or PACKAGED_QUESTIONS, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                seed=args.seed, batch_size=args.batch_size, loops=args.loops, compile=args.compile,
+                seed=args.seed, generate_kwargs=args.generate_kwargs, batch_size=args.batch_size, loops=args.loops,
+                compile=args.compile,
                 draft_dtypes={d: str(draft_dtype_for(d, model.get_input_embeddings().weight)).removeprefix("torch.")
                               for d in draft_dtypes}, command="confu-bench " + " ".join(argv if argv is not None else sys.argv[1:]))
     out = Path(args.out)

@@ -23,6 +23,8 @@ import torch
 from huggingface_hub.utils import HFValidationError, validate_repo_id
 from safetensors import SafetensorError
 from transformers import CompileConfig, GenerationConfig, PreTrainedModel
+from transformers.generation.utils import GenerateDecoderOnlyOutput
+from transformers.utils import ModelOutput
 
 from ..models.checkpoints import draft_problem
 from ..models.configuration_confu import ConFuDraftConfig
@@ -35,6 +37,7 @@ from ..utils.grouped_attention import grouped_query_attention
 from ..utils.packed_linear import native_bf16, pack_linear_weights
 from .batched import generate_batch, is_batch, move_rows
 from .generation import SpeculativeStats, StaticTarget, TreeBudget, speculative_generate
+from .processing import call_options, node_processing
 from .suffix import SuffixProposer, load_proposer
 from .tree import TreeDrafter, catch_up_step, draft_tree
 from .width import checked_width, round_costs
@@ -43,24 +46,8 @@ from .width import checked_width, round_costs
 _UNSUPPORTED = {
     "num_beams": (None, 1),
     "num_return_sequences": (None, 1),
-    "repetition_penalty": (None, 1.0),
-    "no_repeat_ngram_size": (None, 0),
-    "bad_words_ids": (None,),
-    "sequence_bias": (None,),
-    "min_new_tokens": (None, 0),
-    "min_length": (None, 0),
-    "typical_p": (None, 1.0),
-    "epsilon_cutoff": (None, 0.0),
-    "eta_cutoff": (None, 0.0),
-    "top_h": (None,),
-    "suppress_tokens": (None,),
-    "begin_suppress_tokens": (None,),
-    "forced_bos_token_id": (None,),
-    "forced_eos_token_id": (None,),
-    "exponential_decay_length_penalty": (None,),
     "guidance_scale": (None, 1.0),
     "watermarking_config": (None,),
-    "return_dict_in_generate": (None, False),
     "output_scores": (None, False),
     "output_logits": (None, False),
     "output_attentions": (None, False),
@@ -266,7 +253,7 @@ class ConFuAssistant:
         top_k = kwargs.pop("tree_top_k", None)
         depth = kwargs.pop("tree_depth", self.budget.depth)
         total_tokens = kwargs.pop("tree_total_tokens", self.budget.total_tokens)
-        tokenizer, streamer = kwargs.pop("tokenizer", None), kwargs.pop("streamer", None)
+        tokenizer, streamer, options = kwargs.pop("tokenizer", None), kwargs.pop("streamer", None), call_options(kwargs)
         nodes_set = self._nodes_set or "contemplate_nodes" in kwargs
         contemplate_nodes = kwargs.pop("contemplate_nodes", self.contemplate_nodes)
         if contemplate_nodes is not None and contemplate_nodes < 0:
@@ -291,21 +278,22 @@ class ConFuAssistant:
             parts = self._static_parts(config, input_ids.shape[1] + max_new, budget,
                                        input_ids.shape[0] if batched else None)
         if batched:  # B > 1 or left padding: batched.py
-            return generate_batch(self, target, input_ids, mask, config, budget if tree_set else None, max_new,
-                                  tokenizer, streamer, contemplate_nodes, future_logit_weight,
-                                  self.suffix if use_suffix else None, parts or None)
+            return returned(generate_batch(self, target, input_ids, mask, config, budget if tree_set else None,
+                                           max_new, tokenizer, streamer, contemplate_nodes, future_logit_weight,
+                                           self.suffix if use_suffix else None, parts or None, options), config)
         self.stats = SpeculativeStats(mode="static" if parts else "eager")
         temperature = (config.temperature or 1.0) if config.do_sample else None
         suffix = self.suffix if use_suffix else None
+        processing = node_processing(target, config, input_ids, input_ids.shape[1] + max_new, **options)[0]
         drafter = TreeDrafter(self.draft, budget.depth, budget.top_k, budget.total_tokens, temperature,
                               parts.get("draft_cache"), parts.get("draft_calls"), suffix,
                               costs=None if parts else round_costs(self, target, budget.total_tokens))
         output = speculative_generate(
             target, drafter, self.draft.config.feature_layers, input_ids, config, max_new, self.stats,
-            tokenizer, streamer, self.adapter, contemplate_nodes, parts.get("target"), future_logit_weight,
+            tokenizer, streamer, self.adapter, contemplate_nodes, parts.get("target"), future_logit_weight, processing,
         )
         self.stats.suffix_seconds = 0.0 if suffix is None else suffix.seconds
-        return output
+        return returned(output, config)
 
     def _static_parts(self, config: GenerationConfig, length: int, budget: TreeBudget, batch: int | None
                       ) -> dict[str, Any]:
@@ -545,9 +533,17 @@ def _generation_config(target: PreTrainedModel, kwargs: dict[str, Any]) -> Gener
         if getattr(config, name, None) not in neutral:
             raise ValueError(
                 f"`{name}={getattr(config, name)}` is not supported with a ConFu assistant "
-                "(supported: greedy or sampling with temperature/top_k/top_p/min_p, eos, stop strings)."
+                "(supported: greedy or sampling with generate's logits processors and warpers, eos, stop strings)."
             )
     return config
+
+
+def returned(output: torch.LongTensor | ModelOutput, config: GenerationConfig) -> torch.LongTensor | ModelOutput:
+    """What `generate` returns: the sequences or, with `return_dict_in_generate`, a `GenerateDecoderOnlyOutput`
+    holding them (`output_scores`, `output_logits` and the rest are refused; no cache is returned)."""
+    if config.return_dict_in_generate and torch.is_tensor(output):
+        return GenerateDecoderOnlyOutput(sequences=output)
+    return output
 
 
 def _max_new_tokens(config: GenerationConfig, prompt_len: int, budget: TreeBudget, target) -> int:

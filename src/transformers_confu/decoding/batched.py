@@ -29,10 +29,9 @@ from .generation import (
     StaticTarget,
     TreeBudget,
     _append,
-    _probs,
-    logits_warpers,
     stopping_criteria,
 )
+from .processing import NodeProcessing, node_processing, probabilities
 from .suffix import SuffixProposer
 from .tree import DraftTree, TreeDrafter, _pick, pad_keys
 from .verify import accept_greedy, accept_sampling
@@ -348,6 +347,7 @@ def batched_generate(
     contemplate_nodes: int | None = None,
     future_logit_weight: float = 0.0,
     static: StaticTarget | None = None,
+    processing: list[NodeProcessing] | None = None,
 ) -> torch.LongTensor:
     """Generate up to `max_new_tokens` after each row of the left-padded `input_ids` (B, T); returns (B, T + new),
     rows that end early padded with `pad_token_id` (or the first EOS id) as plain batched `generate` pads them.
@@ -356,12 +356,14 @@ def batched_generate(
     sync), keeps each row's accepted path in the caches and retires the rows that stopped. ConFu (`adapter`): as
     in `speculative_generate`, per row. `static` (static mode): the target's static cache and calls (the drafter
     holds its own); compiled (`static.keep` set), every pass keeps its shapes: finished rows stay in the batch,
-    fed and keeping nothing, and the accepted paths are copied at the tree's full size.
+    fed and keeping nothing, and the accepted paths are copied at the tree's full size. `processing`: each row's
+    logits processing (default: the one `config` asks for).
     """
     start = time.perf_counter()
     batch, prompt_len = input_ids.shape
     criteria = stopping_criteria(config, prompt_len + max_new_tokens, tokenizer)
-    warpers = logits_warpers(config) if config.do_sample else None
+    processing = processing or node_processing(target, config, input_ids, prompt_len + max_new_tokens, attention_mask)
+    sample = processing[0].sample
     mix = adapter is not None and future_logit_weight > 0
     entry = adapter is not None and drafter.draft.config.has_future_entry
     pads = (attention_mask == 0).sum(1).tolist()
@@ -372,12 +374,13 @@ def batched_generate(
     t0 = time.perf_counter()
     logits, features = verify.prefill(input_ids, attention_mask)
     stats.verify_seconds += time.perf_counter() - t0
-    roots = logits.argmax(-1) if warpers is None else torch.multinomial(_probs(logits, warpers), 1)[:, 0]
+    outputs = list(input_ids.cpu().split(1))
+    scores = torch.cat([row.scores(logits[i : i + 1], outputs[i]) for i, row in enumerate(processing)])
+    roots = torch.multinomial(probabilities(scores), 1)[:, 0] if sample else scores.argmax(-1)
     drafter.prefill(torch.cat([input_ids[:, 1:], roots[:, None]], dim=1), features, pads)
     states = features[:, -1]
     rows = list(range(batch))  # the input row of each active row
     lengths = [prompt_len - pad for pad in pads]  # each active row's real tokens: the position of its root
-    outputs = list(input_ids.cpu().split(1))
     ends: dict[int, int] = {}  # input row -> output length where its stopping criteria fired
     stats.row_accept_lengths = [[] for _ in range(batch)]
     stats.row_accepted_by_source = [Counter() for _ in range(batch)]
@@ -415,10 +418,11 @@ def batched_generate(
         at = torch.tensor(lengths, device=input_ids.device)
         logits, features, con_features, con_logits = verify.tree(trees, at, cons, states)
         t2 = time.perf_counter()
-        if warpers is None:
-            results = [accept_greedy(tree, logits[i]) for i, tree in enumerate(trees)]
+        scores = [processing[rows[i]].scores(logits[i], outputs[rows[i]], tree) for i, tree in enumerate(trees)]
+        if sample:
+            results = [accept_sampling(tree, probabilities(s), drafter.d2t) for tree, s in zip(trees, scores)]
         else:
-            results = [accept_sampling(tree, _probs(logits[i], warpers), drafter.d2t) for i, tree in enumerate(trees)]
+            results = [accept_greedy(tree, s) for tree, s in zip(trees, scores)]
         # rows' trees may differ in depth (paths padded with 0); compiled: one width, the tree's
         width = len(trees[0]) if compiled else max(path.numel() for path, _, _ in results)
         paths = torch.stack([torch.nn.functional.pad(path, (0, width - path.numel())) for path, _, _ in results])
@@ -500,14 +504,14 @@ def generate_batch(assistant, target: PreTrainedModel, input_ids: torch.LongTens
                    attention_mask: torch.Tensor | None, config: GenerationConfig, budget: TreeBudget | None,
                    max_new_tokens: int, tokenizer=None, streamer=None, contemplate_nodes: int | None = None,
                    future_logit_weight: float = 0.0, suffix: SuffixProposer | None = None,
-                   static: dict | None = None) -> torch.LongTensor:
+                   static: dict | None = None, options: dict | None = None) -> torch.LongTensor:
     """`ConFuAssistant.generate` and `SuffixAssistant.generate` for a batch (or a left-padded prompt): checks the
     inputs, picks the budget (`budget` None: `batch_budget`'s choice for `assistant.budget`), then runs
     `batched_generate`, or plain `generate` where the policy says speculation does not pay. `suffix`: the proposer
     whose candidates join every row's tree (each row gets its own `fork`); a draft-free assistant (`SuffixAssistant`,
     no `draft`) verifies them alone. `static`: the static mode's parts for this batch (`assistant.static_parts`:
-    the target's cache and calls, the chain's draft cache, one draft cache per row). Sets `assistant.stats` (a
-    `BatchStats`)."""
+    the target's cache and calls, the chain's draft cache, one draft cache per row). `options`: the call's
+    `processing.CALL_OPTIONS`. Sets `assistant.stats` (a `BatchStats`)."""
     batch = input_ids.shape[0]
     if streamer is not None:
         raise ValueError("A streamer supports batch size 1 only (as in transformers): generate one prompt at a time "
@@ -522,9 +526,10 @@ def generate_batch(assistant, target: PreTrainedModel, input_ids: torch.LongTens
     if budget is None:
         start = time.perf_counter()
         output = type(target).generate(target, input_ids, attention_mask=mask, generation_config=config,
-                                       tokenizer=tokenizer)
+                                       tokenizer=tokenizer, **(options or {}))
         stats.mode, stats.total_seconds = "plain", time.perf_counter() - start
-        stats.new_tokens = int(real_lengths(output[:, input_ids.shape[1]:], eos_token_ids(config)).sum())
+        sequences = output if torch.is_tensor(output) else output.sequences  # return_dict_in_generate
+        stats.new_tokens = int(real_lengths(sequences[:, input_ids.shape[1]:], eos_token_ids(config)).sum())
         return output
     temperature = (config.temperature or 1.0) if config.do_sample else None
     proposers = [None] * batch if suffix is None else [suffix.fork() for _ in range(batch)]
@@ -544,9 +549,11 @@ def generate_batch(assistant, target: PreTrainedModel, input_ids: torch.LongTens
                                for row, proposer in enumerate(proposers)], scalars)
     layers = [target.config.num_hidden_layers] if draft is None else draft.config.feature_layers  # no draft: unused
     stats.mode = "eager" if target_parts is None else "static"
+    processing = node_processing(target, config, input_ids, input_ids.shape[1] + max_new_tokens, mask,
+                                 **(options or {}))
     output = batched_generate(target, drafter, layers, input_ids, mask, config, max_new_tokens, stats, tokenizer,
                               None if draft is None else assistant.adapter, contemplate_nodes, future_logit_weight,
-                              target_parts)
+                              target_parts, processing)
     stats.suffix_seconds = sum(proposer.seconds for proposer in proposers if proposer is not None)
     return output
 

@@ -12,13 +12,8 @@ from transformers import (
     Cache,
     DynamicCache,
     GenerationConfig,
-    LogitsProcessorList,
-    MinPLogitsWarper,
     PreTrainedModel,
     StoppingCriteriaList,
-    TemperatureLogitsWarper,
-    TopKLogitsWarper,
-    TopPLogitsWarper,
 )
 from transformers.generation.stopping_criteria import (
     EosTokenCriteria,
@@ -28,6 +23,7 @@ from transformers.generation.stopping_criteria import (
 
 from ..models.contemplate import ContemplateAdapter, soft_prompt_mask
 from ..utils.cache import cache_kwargs, keep_path, key_width
+from .processing import NodeProcessing, node_processing, probabilities
 from .tree import DraftTree, TreeDrafter, additive_mask, pad_keys
 from .verify import accept_greedy, accept_sampling
 
@@ -80,20 +76,6 @@ class SpeculativeStats:
 
     def as_dict(self) -> dict:
         return {**asdict(self), "mean_accepted_tokens": self.mean_accepted_tokens, "other_seconds": self.other_seconds}
-
-
-def logits_warpers(config: GenerationConfig) -> LogitsProcessorList:
-    """The sampling warpers `generate` applies, in its order."""
-    warpers = LogitsProcessorList()
-    if config.temperature is not None and config.temperature != 1.0:
-        warpers.append(TemperatureLogitsWarper(config.temperature))
-    if config.top_k is not None and config.top_k != 0:
-        warpers.append(TopKLogitsWarper(top_k=config.top_k))
-    if config.top_p is not None and config.top_p < 1.0:
-        warpers.append(TopPLogitsWarper(top_p=config.top_p))
-    if config.min_p is not None:
-        warpers.append(MinPLogitsWarper(min_p=config.min_p))
-    return warpers
 
 
 def stopping_criteria(config: GenerationConfig, max_length: int, tokenizer=None) -> StoppingCriteriaList:
@@ -210,17 +192,6 @@ def _append(output, tokens, criteria, streamer) -> tuple[torch.LongTensor, bool]
     return output, stopped
 
 
-def _probs(logits: torch.Tensor, warpers: LogitsProcessorList) -> torch.Tensor:
-    """(N, V) logits -> the processed next-token probabilities that `generate` samples from."""
-    return torch.softmax(warpers(None, logits.float()), -1)
-
-
-def _select_token(logits: torch.Tensor, warpers: LogitsProcessorList | None) -> torch.Tensor:
-    if warpers is None:
-        return logits.argmax()
-    return torch.multinomial(_probs(logits[None], warpers)[0], 1)[0]
-
-
 @torch.no_grad()
 def speculative_generate(
     target: PreTrainedModel,
@@ -236,12 +207,15 @@ def speculative_generate(
     contemplate_nodes: int | None = None,
     static: StaticTarget | None = None,
     future_logit_weight: float = 0.0,
+    processing: NodeProcessing | None = None,
 ) -> torch.LongTensor:
     """Generate up to `max_new_tokens` after `input_ids` (1, T); returns (1, T + new).
 
     One host sync per round: the accepted tokens are read once; the tree, the acceptance and the cache
     edits stay on the device with fixed shapes. `static` (static mode): the target's static cache and
-    (compiled) calls; the drafter holds its own.
+    (compiled) calls; the drafter holds its own. `processing`: the logits processing of the call (default: the
+    one `config` asks for); with any beyond greedy's none or sampling's token-free warpers, a round also reads the
+    tree on the host.
 
     With `adapter` (ConFu) every verify pass also carries `[con]` tokens (on all nodes, or on the
     `contemplate_nodes` likeliest ends of the accepted path); the future vector read at the last accepted
@@ -251,7 +225,7 @@ def speculative_generate(
     start = time.perf_counter()
     prompt_len = input_ids.shape[1]
     criteria = stopping_criteria(config, prompt_len + max_new_tokens, tokenizer)
-    warpers = logits_warpers(config) if config.do_sample else None
+    processing = processing or node_processing(target, config, input_ids, prompt_len + max_new_tokens)[0]
     mix = adapter is not None and future_logit_weight > 0
     entry = adapter is not None and drafter.draft.config.has_future_entry
     verify = _Target(target, feature_layers, adapter, static, con_logits=mix)
@@ -262,8 +236,9 @@ def speculative_generate(
     t0 = time.perf_counter()
     logits, features = verify.prefill(input_ids)
     stats.verify_seconds += time.perf_counter() - t0
-    root = _select_token(logits[-1], warpers)
-    output, stopped = _append(input_ids.cpu(), [int(root)], criteria, streamer)
+    output = input_ids.cpu()
+    root = processing.pick(logits[-1], output)
+    output, stopped = _append(output, [int(root)], criteria, streamer)
     next_ids = torch.cat([input_ids[:, 1:], root.view(1, 1)], dim=1)
     feats, state, length, count = features, features[0, -1], prompt_len, None
     # the length as the fixed-shape calls see it: a host int, or in static mode a device scalar (no recompiles)
@@ -282,10 +257,11 @@ def speculative_generate(
         # Verify the whole tree in one target pass, accept a path, keep only its keys and values.
         logits, features, con_features, con_logits = verify.tree(tree, length, cons, state)
         t2 = time.perf_counter()
-        if warpers is None:
-            path, size, root = accept_greedy(tree, logits)
+        scores = processing.scores(logits, output, tree)
+        if processing.sample:
+            path, size, root = accept_sampling(tree, probabilities(scores), drafter.d2t)
         else:
-            path, size, root = accept_sampling(tree, _probs(logits, warpers), drafter.d2t)
+            path, size, root = accept_greedy(tree, scores)
         last = path.gather(0, (size - 1)[None])
         next_ids = torch.cat([tree.tokens[path[1:]], root[None]]).scatter(0, size[None] - 1, root[None])[None]
         hit = None if cons is None else cons == last  # the [con] of the last accepted node, if it had one

@@ -1,0 +1,225 @@
+"""generate's logits processors (penalties, constraints, custom ones) with an assistant: still lossless."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import tiny_target
+from test_batched import left_padded
+from test_generation import make_assistant, mode, mode_kwargs  # noqa: F401 (mode: a fixture)
+from test_sampling import SAMPLES, p_value
+from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
+
+import transformers_confu.decoding.processing as processing
+from transformers_confu import ConFuAssistant, ConFuDraftConfig, SuffixAssistant
+from transformers_confu.decoding.generation import SpeculativeStats, speculative_generate
+from transformers_confu.decoding.oracle import OracleDrafter
+from transformers_confu.decoding.processing import NodeProcessing, node_prefixes, node_processing
+from transformers_confu.decoding.tree import DraftTree
+
+EOS = 3
+
+
+class ByPosition(LogitsProcessor):
+    """A custom processor that reads its input ids: at position p no token t with t = p (mod 3)."""
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
+        banned = torch.arange(scores.shape[-1], device=scores.device) % 3 == input_ids.shape[-1] % 3
+        return scores.masked_fill(banned, float("-inf"))
+
+
+def even_after_odd(batch_id: int, ids: torch.Tensor) -> list[int]:
+    """`prefix_allowed_tokens_fn`: after an odd token only even ones."""
+    return list(range(0, 128, 2)) if int(ids[-1]) % 2 else list(range(128))
+
+
+SETTINGS = {
+    "repetition_penalty": dict(repetition_penalty=1.5),
+    "no_repeat_ngram_size": dict(no_repeat_ngram_size=2),
+    "bad_words_ids": dict(bad_words_ids=[[5], [7, 8]]),
+    "sequence_bias": dict(sequence_bias={(9,): 4.0, (10, 11): 6.0}),
+    "min_new_tokens": dict(min_new_tokens=15, eos_token_id=EOS),
+    "suppress_tokens": dict(suppress_tokens=[1, 2], begin_suppress_tokens=[4]),
+    "forced_eos_token_id": dict(forced_eos_token_id=EOS, eos_token_id=EOS),
+    "exponential_decay_length_penalty": dict(exponential_decay_length_penalty=(4, 1.3), eos_token_id=EOS),
+    "logits_processor": dict(logits_processor=LogitsProcessorList([ByPosition()])),
+    "prefix_allowed_tokens_fn": dict(prefix_allowed_tokens_fn=even_after_odd),
+    "several": dict(repetition_penalty=1.3, no_repeat_ngram_size=3, renormalize_logits=True),
+}
+
+
+def plain(target, ids, **kw):
+    return target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=0, **kw)
+
+
+@pytest.mark.parametrize("name", SETTINGS)
+def test_greedy_with_processors_matches_plain_generate(arch, name, mode):
+    target = tiny_target(arch)
+    assistant = make_assistant(target, depth=3, top_k=2, total_tokens=6)
+    for seed in range(4):
+        ids = torch.randint(0, 128, (1, 3 + 4 * seed), generator=torch.Generator().manual_seed(seed))
+        ref = plain(target, ids, max_new_tokens=24, **SETTINGS[name])
+        out = target.generate(ids, max_new_tokens=24, do_sample=False, assistant_model=assistant,
+                              **SETTINGS[name], **mode_kwargs(mode))
+        assert torch.equal(out, ref), f"seed {seed}"
+
+
+def oracle_run(target, ids, reference, **options):
+    """The loop with an oracle that drafts the reference 4 deep: every node of long accepted paths is processed."""
+    config = GenerationConfig(do_sample=False, pad_token_id=0, **{k: v for k, v in options.items()
+                                                                  if k not in processing.CALL_OPTIONS})
+    extra = {k: v for k, v in options.items() if k in processing.CALL_OPTIONS}
+    stats = SpeculativeStats()
+    rows = node_processing(target, config, ids, ids.shape[1] + 30, **extra)
+    out = speculative_generate(target, OracleDrafter(reference, 4, 8, 128), [1, 2, 3], ids, config, 30, stats,
+                               processing=rows[0])
+    return out, stats
+
+
+@pytest.mark.parametrize("options", [SETTINGS["repetition_penalty"], dict(no_repeat_ngram_size=1),
+                                     SETTINGS["logits_processor"]], ids=["penalty", "ngram", "custom"])
+def test_deep_nodes_are_processed_with_their_own_prefix(options, monkeypatch):
+    """With an oracle draft whole paths are accepted; processing a node with the context alone (its drafted
+    ancestors left out) must be caught (negative control)."""
+    target = tiny_target()
+    wrong = 0
+    for seed in range(4):
+        ids = torch.randint(0, 128, (1, 4 + seed), generator=torch.Generator().manual_seed(seed))
+        ref = plain(target, ids, max_new_tokens=30, **options)
+        out, stats = oracle_run(target, ids, ref, **options)
+        assert torch.equal(out, ref), f"seed {seed}"
+        assert stats.mean_accepted_tokens > 4
+        with monkeypatch.context() as patch:
+            patch.setattr(processing, "node_prefixes", lambda context, tree: [context] * len(tree))
+            wrong += not torch.equal(oracle_run(target, ids, ref, **options)[0], ref)
+    assert wrong >= 2
+
+
+def test_suffix_assistant_with_processors_matches_plain_generate():
+    target = tiny_target()
+    assistant = SuffixAssistant(target, total_tokens=6)
+    for seed in range(4):
+        ids = torch.randint(0, 16, (1, 12), generator=torch.Generator().manual_seed(seed))  # repeats to match
+        for name in ("repetition_penalty", "no_repeat_ngram_size"):
+            ref = plain(target, ids, max_new_tokens=24, **SETTINGS[name])
+            out = target.generate(ids, max_new_tokens=24, do_sample=False, assistant_model=assistant, **SETTINGS[name])
+            assert torch.equal(out, ref), f"{name}, seed {seed}"
+
+
+@pytest.mark.parametrize("name", ["repetition_penalty", "no_repeat_ngram_size", "logits_processor", "min_new_tokens"])
+@pytest.mark.parametrize("tree", [dict(tree_depth=1, tree_top_k=1, tree_total_tokens=2),
+                                  dict(tree_depth=3, tree_top_k=2, tree_total_tokens=6)], ids=["chain", "tree"])
+def test_batched_greedy_with_processors_matches_plain_batched_generate(name, tree):
+    """Left-padded rows: the penalty leaves each row's padding out, as plain batched `generate` does."""
+    target = tiny_target()
+    assistant = make_assistant(target)
+    for seed in range(3):
+        ids, mask = left_padded(seed, [4 + seed, 11, 2][: 2 + seed % 2])
+        ref = target.generate(ids, attention_mask=mask, do_sample=False, pad_token_id=0, max_new_tokens=20,
+                              **SETTINGS[name])
+        out = target.generate(ids, attention_mask=mask, do_sample=False, pad_token_id=0, max_new_tokens=20,
+                              assistant_model=assistant, **tree, **SETTINGS[name])
+        assert torch.equal(out, ref), f"seed {seed}"
+        assert assistant.stats.mode == "eager"
+
+
+def test_plain_fallback_of_a_batch_gets_the_processors():
+    """Where the batch policy runs plain batched generate, the call's processors go with it."""
+    target = tiny_target()
+    assistant = make_assistant(target)
+    ids, mask = left_padded(4, [5, 8, 3, 6])
+    options = SETTINGS["logits_processor"]
+    ref = target.generate(ids, attention_mask=mask, do_sample=False, pad_token_id=0, max_new_tokens=12, **options)
+    out = target.generate(ids, attention_mask=mask, do_sample=False, pad_token_id=0, max_new_tokens=12,
+                          assistant_model=assistant, **options)
+    assert assistant.stats.mode == "plain"
+    assert torch.equal(out, ref)
+
+
+VOCAB, NEW, TEMPERATURE, TOP_K, PENALTY = 6, 3, 0.8, 5, 1.8
+
+
+def exact_distribution(target, prompt: torch.Tensor, penalty: float = 1.0, no_repeat: bool = False
+                       ) -> dict[tuple[int, ...], float]:
+    """P(x1..x3 | prompt) under a repetition `penalty` or a ban on repeated tokens (`no_repeat_ngram_size=1`),
+    then temperature and top-k, enumerating every prefix."""
+
+    def next_probs(seq: list[int]) -> torch.Tensor:
+        logits = target(torch.tensor([seq])).logits[0, -1].double()
+        seen = torch.tensor(sorted(set(seq)))
+        logits[seen] = torch.where(logits[seen] > 0, logits[seen] / penalty, logits[seen] * penalty)
+        if no_repeat:
+            logits[seen] = float("-inf")
+        logits = logits / TEMPERATURE
+        kth = logits.topk(TOP_K).values[-1]
+        return torch.softmax(logits.masked_fill(logits < kth, float("-inf")), -1)
+
+    probs: dict[tuple[int, ...], float] = {(): 1.0}
+    for _ in range(NEW):
+        probs = {prefix + (x,): p * float(q) for prefix, p in probs.items()
+                 for x, q in enumerate(next_probs(prompt.tolist() + list(prefix))) if p * float(q) > 0}
+    return probs
+
+
+@pytest.fixture(scope="module")
+def sampling_setup():
+    target = tiny_target(vocab_size=VOCAB, init=0.15, seed=3)
+    config = ConFuDraftConfig.for_target(target, draft_vocab_size=VOCAB)
+    config.initializer_range = 0.4
+    assistant = ConFuAssistant.from_config(config, target, draft_dtype="float32", depth=2, top_k=2, total_tokens=5)
+    return target, assistant, torch.tensor([1, 4, 2])
+
+
+def sampled_counts(target, assistant, prompt, samples: int = SAMPLES, **options) -> dict[tuple[int, ...], int]:
+    torch.manual_seed(0)
+    counts: dict[tuple[int, ...], int] = {}
+    for _ in range(samples):
+        out = target.generate(prompt[None], max_new_tokens=NEW, do_sample=True, temperature=TEMPERATURE, top_k=TOP_K,
+                              assistant_model=assistant, **options)
+        key = tuple(out[0, prompt.numel():].tolist())
+        counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+def test_sampling_with_a_repetition_penalty_matches_exact_distribution(sampling_setup):
+    target, assistant, prompt = sampling_setup
+    exact = exact_distribution(target, prompt, penalty=PENALTY)
+    assert abs(sum(exact.values()) - 1) < 1e-9
+    assert p_value(exact, sampled_counts(target, assistant, prompt, repetition_penalty=PENALTY)) > 1e-3
+
+
+def test_sampling_under_a_ban_on_repeats_never_repeats(sampling_setup, monkeypatch):
+    """`no_repeat_ngram_size=1`: only the continuations of distinct new tokens are possible; processing the nodes
+    without their drafted ancestors (negative control) samples impossible ones."""
+    target, assistant, prompt = sampling_setup
+    exact = exact_distribution(target, prompt, no_repeat=True)
+    assert abs(sum(exact.values()) - 1) < 1e-9 and set(exact) == {(0, 3, 5), (0, 5, 3), (3, 0, 5), (3, 5, 0),
+                                                                      (5, 0, 3), (5, 3, 0)}
+    assert set(sampled_counts(target, assistant, prompt, 500, no_repeat_ngram_size=1)) == set(exact)
+    monkeypatch.setattr(processing, "node_prefixes", lambda context, tree: [context] * len(tree))
+    assert not set(sampled_counts(target, assistant, prompt, 500, no_repeat_ngram_size=1)) <= set(exact)
+
+
+def test_token_free_warpers_run_once_on_all_nodes():
+    target = tiny_target()
+    config = GenerationConfig(do_sample=True, temperature=0.7, top_k=5, top_p=0.9, repetition_penalty=1.2)
+    ids = torch.ones(1, 4, dtype=torch.long)
+    row = node_processing(target, config, ids, 20)[0]
+    assert [type(p).__name__ for p in row.per_prefix] == ["RepetitionPenaltyLogitsProcessor"]
+    assert [type(p).__name__ for p in row.token_free] == ["TemperatureLogitsWarper", "TopKLogitsWarper",
+                                                          "TopPLogitsWarper"]
+    greedy = node_processing(target, GenerationConfig(do_sample=False), ids, 20)[0]
+    assert not (greedy.per_prefix or greedy.token_free)
+    logits = torch.randn(3, 128, dtype=torch.bfloat16)
+    assert greedy.scores(logits, ids) is logits  # nothing to apply: the loop's argmax reads the logits as they are
+    warped = NodeProcessing(LogitsProcessorList(row.token_free), sample=True).scores(logits, ids, None)
+    assert warped.dtype == torch.float32 and torch.isinf(warped).sum(-1).min() >= 128 - 5
+
+
+def test_node_prefixes_follow_each_nodes_ancestors():
+    tree = DraftTree.from_parents([7, 1, 2, 3, 4], [-1, 0, 0, 1, 3])  # root 7; 1 and 2 under it; 3 under 1; 4 under 3
+    context = torch.tensor([5, 6, 7])
+    got = [p.tolist() for p in node_prefixes(context, tree)]
+    assert got == [[5, 6, 7], [5, 6, 7, 1], [5, 6, 7, 2], [5, 6, 7, 1, 3], [5, 6, 7, 1, 3, 4]]
+
+
