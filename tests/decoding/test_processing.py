@@ -123,6 +123,22 @@ def test_batched_greedy_with_processors_matches_plain_batched_generate(name, tre
         assert assistant.stats.mode == "eager"
 
 
+def test_batched_prefix_allowed_tokens_fn_sees_each_rows_index():
+    target = tiny_target()
+    assistant = make_assistant(target)
+    ids, mask = left_padded(5, [6, 3])
+
+    def by_row(batch_id: int, sent: torch.Tensor) -> list[int]:  # row 0 even tokens, row 1 odd ones
+        return list(range(batch_id, 128, 2))
+
+    options = dict(attention_mask=mask, do_sample=False, pad_token_id=0, max_new_tokens=12,
+                   prefix_allowed_tokens_fn=by_row)
+    ref = target.generate(ids, **options)
+    assert (ref[0, 6:] % 2 == 0).all() and (ref[1, 6:] % 2 == 1).all()
+    assert torch.equal(target.generate(ids, assistant_model=assistant, tree_depth=3, tree_top_k=2, tree_total_tokens=6,
+                                       **options), ref)
+
+
 def test_plain_fallback_of_a_batch_gets_the_processors():
     """Where the batch policy runs plain batched generate, the call's processors go with it."""
     target = tiny_target()

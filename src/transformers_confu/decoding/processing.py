@@ -77,8 +77,9 @@ class NodeProcessing:
 
 def probabilities(scores: torch.Tensor) -> torch.Tensor:
     """(N, V) processed scores -> the probabilities `generate` samples from. A row whose processors leave no token
-    (a node past `max_new_tokens`, or under a token they ban: never part of an output) gets a uniform one, so that
-    the acceptance walk, which draws at every node it stops at, stays defined."""
+    gets a uniform one, so that the acceptance walk, which draws at every node it stops at, stays defined: such a
+    node lies past `max_new_tokens` or under a token they ban (never part of the output), unless they ban every
+    token after a prefix plain `generate` reaches too, where it fails."""
     return torch.where(torch.isinf(scores).all(-1, keepdim=True), 0.0, scores).softmax(-1)
 
 
@@ -111,9 +112,16 @@ def node_processing(target: PreTrainedModel, config: GenerationConfig, input_ids
     rows = []
     for row in range(input_ids.shape[0]):
         mask = None if attention_mask is None else attention_mask[row : row + 1]
+        allowed = None if prefix_allowed_tokens_fn is None else _as_row(prefix_allowed_tokens_fn, row)
         processors = target._get_logits_processor(
-            config, input_ids_seq_length=input_ids.shape[1], prefix_allowed_tokens_fn=prefix_allowed_tokens_fn,
+            config, input_ids_seq_length=input_ids.shape[1], prefix_allowed_tokens_fn=allowed,
             logits_processor=logits_processor, device=input_ids.device,
             model_kwargs=None if mask is None else {"attention_mask": mask})
         rows.append(NodeProcessing(processors, config.do_sample))
     return rows
+
+
+def _as_row(prefix_allowed_tokens_fn: Callable[[int, torch.Tensor], list[int]], row: int
+            ) -> Callable[[int, torch.Tensor], list[int]]:
+    """The function as the batch's `row` calls it (a node is processed alone, as batch index 0)."""
+    return lambda batch_id, ids: prefix_allowed_tokens_fn(row, ids)
