@@ -204,6 +204,24 @@ def test_sampling_with_a_repetition_penalty_matches_exact_distribution(sampling_
     assert p_value(exact, sampled_counts(target, assistant, prompt, repetition_penalty=PENALTY)) > 1e-3
 
 
+def test_batched_sampling_with_a_repetition_penalty_matches_exact_distribution_per_row(sampling_setup):
+    """Two rows, the second left-padded: each row's penalty leaves its padding out, as plain batched generate."""
+    target, assistant, _ = sampling_setup
+    exact = [exact_distribution(target, torch.tensor(p), penalty=PENALTY) for p in ([1, 4, 2], [3, 5])]
+    ids, mask = torch.tensor([[1, 4, 2], [0, 3, 5]]), torch.tensor([[1, 1, 1], [0, 1, 1]])
+    torch.manual_seed(0)
+    counts = [{}, {}]
+    for _ in range(SAMPLES):
+        out = target.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=True, temperature=TEMPERATURE,
+                              top_k=TOP_K, repetition_penalty=PENALTY, pad_token_id=0, assistant_model=assistant,
+                              tree_depth=2, tree_top_k=2, tree_total_tokens=5)
+        for row in range(2):
+            key = tuple(out[row, 3:].tolist())
+            counts[row][key] = counts[row].get(key, 0) + 1
+    for row in range(2):
+        assert p_value(exact[row], counts[row]) > 1e-3, f"row {row}"
+
+
 def test_sampling_under_a_ban_on_repeats_never_repeats(sampling_setup, monkeypatch):
     """`no_repeat_ngram_size=1`: only the continuations of distinct new tokens are possible; processing the nodes
     without their drafted ancestors (negative control) samples impossible ones."""
