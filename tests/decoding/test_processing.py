@@ -6,8 +6,8 @@ import pytest
 import torch
 from conftest import tiny_target
 from test_batched import left_padded
-from test_generation import make_assistant, mode, mode_kwargs  # noqa: F401 (mode: a fixture)
-from test_sampling import SAMPLES, p_value
+from test_generation import make_assistant, mode, mode_kwargs, plain  # noqa: F401 (mode: a fixture)
+from test_sampling import NEW, SAMPLES, TEMPERATURE, TOP_K, VOCAB, exact_distribution, p_value, sampled_counts
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 import transformers_confu.decoding.processing as processing
@@ -46,10 +46,6 @@ SETTINGS = {
     "prefix_allowed_tokens_fn": dict(prefix_allowed_tokens_fn=even_after_odd),
     "several": dict(repetition_penalty=1.3, no_repeat_ngram_size=3, renormalize_logits=True),
 }
-
-
-def plain(target, ids, **kw):
-    return target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=0, **kw)
 
 
 @pytest.mark.parametrize("name", SETTINGS)
@@ -152,29 +148,7 @@ def test_plain_fallback_of_a_batch_gets_the_processors():
     assert torch.equal(out, ref)
 
 
-VOCAB, NEW, TEMPERATURE, TOP_K, PENALTY = 6, 3, 0.8, 5, 1.8
-
-
-def exact_distribution(target, prompt: torch.Tensor, penalty: float = 1.0, no_repeat: bool = False
-                       ) -> dict[tuple[int, ...], float]:
-    """P(x1..x3 | prompt) under a repetition `penalty` or a ban on repeated tokens (`no_repeat_ngram_size=1`),
-    then temperature and top-k, enumerating every prefix."""
-
-    def next_probs(seq: list[int]) -> torch.Tensor:
-        logits = target(torch.tensor([seq])).logits[0, -1].double()
-        seen = torch.tensor(sorted(set(seq)))
-        logits[seen] = torch.where(logits[seen] > 0, logits[seen] / penalty, logits[seen] * penalty)
-        if no_repeat:
-            logits[seen] = float("-inf")
-        logits = logits / TEMPERATURE
-        kth = logits.topk(TOP_K).values[-1]
-        return torch.softmax(logits.masked_fill(logits < kth, float("-inf")), -1)
-
-    probs: dict[tuple[int, ...], float] = {(): 1.0}
-    for _ in range(NEW):
-        probs = {prefix + (x,): p * float(q) for prefix, p in probs.items()
-                 for x, q in enumerate(next_probs(prompt.tolist() + list(prefix))) if p * float(q) > 0}
-    return probs
+PENALTY = 1.8
 
 
 @pytest.fixture(scope="module")
@@ -184,17 +158,6 @@ def sampling_setup():
     config.initializer_range = 0.4
     assistant = ConFuAssistant.from_config(config, target, draft_dtype="float32", depth=2, top_k=2, total_tokens=5)
     return target, assistant, torch.tensor([1, 4, 2])
-
-
-def sampled_counts(target, assistant, prompt, samples: int = SAMPLES, **options) -> dict[tuple[int, ...], int]:
-    torch.manual_seed(0)
-    counts: dict[tuple[int, ...], int] = {}
-    for _ in range(samples):
-        out = target.generate(prompt[None], max_new_tokens=NEW, do_sample=True, temperature=TEMPERATURE, top_k=TOP_K,
-                              assistant_model=assistant, **options)
-        key = tuple(out[0, prompt.numel():].tolist())
-        counts[key] = counts.get(key, 0) + 1
-    return counts
 
 
 def test_sampling_with_a_repetition_penalty_matches_exact_distribution(sampling_setup):

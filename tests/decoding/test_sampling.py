@@ -16,11 +16,18 @@ VOCAB, NEW, TEMPERATURE, TOP_K = 6, 3, 0.8, 5
 SAMPLES = 2500
 
 
-def exact_distribution(target, prompt: torch.Tensor) -> dict[tuple[int, ...], float]:
-    """P(x1..x3 | prompt) under temperature + top-k, by enumerating every prefix."""
+def exact_distribution(target, prompt: torch.Tensor, penalty: float = 1.0, no_repeat: bool = False
+                       ) -> dict[tuple[int, ...], float]:
+    """P(x1..x3 | prompt) under temperature + top-k, by enumerating every prefix; first a repetition `penalty` or a
+    ban on repeated tokens (`no_repeat_ngram_size=1`) if asked."""
 
     def next_probs(seq: list[int]) -> torch.Tensor:
-        logits = target(torch.tensor([seq])).logits[0, -1].double() / TEMPERATURE
+        logits = target(torch.tensor([seq])).logits[0, -1].double()
+        seen = torch.tensor(sorted(set(seq)))
+        logits[seen] = torch.where(logits[seen] > 0, logits[seen] / penalty, logits[seen] * penalty)
+        if no_repeat:
+            logits[seen] = float("-inf")
+        logits = logits / TEMPERATURE
         kth = logits.topk(TOP_K).values[-1]
         return torch.softmax(logits.masked_fill(logits < kth, float("-inf")), -1)
 
@@ -35,10 +42,11 @@ def exact_distribution(target, prompt: torch.Tensor) -> dict[tuple[int, ...], fl
     return probs
 
 
-def sampled_counts(target, assistant, prompt: torch.Tensor, **kwargs) -> dict[tuple[int, ...], int]:
+def sampled_counts(target, assistant, prompt: torch.Tensor, samples: int = SAMPLES, **kwargs
+                   ) -> dict[tuple[int, ...], int]:
     torch.manual_seed(0)
     counts: dict[tuple[int, ...], int] = {}
-    for _ in range(SAMPLES):
+    for _ in range(samples):
         out = target.generate(prompt[None], max_new_tokens=NEW, do_sample=True, temperature=TEMPERATURE,
                               top_k=TOP_K, assistant_model=assistant, **kwargs)
         key = tuple(out[0, prompt.numel():].tolist())
