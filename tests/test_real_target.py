@@ -60,6 +60,20 @@ def test_real_target_greedy_identity(real, prompt, cache_implementation):
     assert stats.new_tokens == ref.shape[1] - ids.shape[1] and stats.target_forwards == len(stats.accept_lengths)
 
 
+def test_real_target_scores_and_logits_as_plain_generate(real):
+    """`output_scores` / `output_logits`: per new token what plain `generate` returns, to the float error of a
+    tree pass (also under a repetition penalty, which changes the scores)."""
+    model, tokenizer, assistant = real
+    ids = chat_input_ids(tokenizer, ["List three colors of the rainbow, one per line."])
+    both = dict(return_dict_in_generate=True, output_scores=True, output_logits=True, repetition_penalty=1.1)
+    ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False, **both)
+    out = model.generate(ids, max_new_tokens=32, do_sample=False, assistant_model=assistant, **both)
+    assert torch.equal(out.sequences, ref.sequences)
+    assert len(out.scores) == len(out.logits) == ref.sequences.shape[1] - ids.shape[1]
+    for ours, theirs in zip(out.scores + out.logits, ref.scores + ref.logits):
+        torch.testing.assert_close(ours, theirs, atol=2e-3, rtol=1e-4)
+
+
 def test_real_target_sampling_runs_and_stops_at_eos(real):
     model, tokenizer, assistant = real
     ids = chat_input_ids(tokenizer, ["Say hello."])

@@ -158,15 +158,17 @@ def test_draft_dtypes_run_each_draft_once_per_dtype_and_are_recorded(tmp_path, c
 
 
 def test_generate_kwargs_reach_every_method_and_are_recorded(tmp_path):
-    """`--generate-kwargs`: the same logits processors for plain generate and the drafts, still identical."""
+    """`--generate-kwargs`: the same logits processors for plain generate and the drafts, still identical (and
+    dict outputs with scores read as their sequences)."""
     save_target_and_draft(tmp_path)
     common = ["--target", str(tmp_path / "target"), "--drafts", str(tmp_path / "draft"), "--questions",
               str(write_questions(tmp_path / "q.jsonl")), "--max-new-tokens", "16", "--trees", "3,2,5",
               "--prompt-lookup", "0", "--turns", "1"]
-    penalized = main(common + ["--generate-kwargs", '{"repetition_penalty": 1.5, "no_repeat_ngram_size": 2}',
-                               "--out", str(tmp_path / "penalized")])
+    settings = {"repetition_penalty": 1.5, "no_repeat_ngram_size": 2, "return_dict_in_generate": True,
+                "output_scores": True}
+    penalized = main(common + ["--generate-kwargs", json.dumps(settings), "--out", str(tmp_path / "penalized")])
     assert penalized["mismatches"] == {} and penalized["table"]["eagle3:draft:d3k2n5"]["overall"]["identical"] is True
-    assert penalized["meta"]["generate_kwargs"] == {"repetition_penalty": 1.5, "no_repeat_ngram_size": 2}
+    assert penalized["meta"]["generate_kwargs"] == settings
     assert "repetition_penalty=1.5, no_repeat_ngram_size=2" in (tmp_path / "penalized.md").read_text()
     main(common + ["--out", str(tmp_path / "plain")])
     answers = [[json.loads(line)["choices"][0]["turns"] for line in

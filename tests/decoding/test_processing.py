@@ -48,27 +48,45 @@ SETTINGS = {
 }
 
 
+# generate's per-token outputs: `GenerateDecoderOnlyOutput.scores` (processed) and `.logits` (raw)
+SCORES = dict(return_dict_in_generate=True, output_scores=True, output_logits=True)
+
+
+def assert_same_steps(out, ref, prompt_len: int) -> None:
+    """Same sequences, and per new token the same scores and logits (up to the float error of a tree pass)."""
+    assert torch.equal(out.sequences, ref.sequences)
+    new = out.sequences.shape[1] - prompt_len
+    for name in ("scores", "logits"):
+        ours, theirs = getattr(out, name), getattr(ref, name)
+        assert len(ours) == len(theirs) == new, name
+        for step, (a, b) in enumerate(zip(ours, theirs)):
+            assert a.dtype == b.dtype == torch.float32 and a.shape == b.shape, (name, step)
+            torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4, msg=f"{name} at step {step}")
+
+
 @pytest.mark.parametrize("name", SETTINGS)
 def test_greedy_with_processors_matches_plain_generate(arch, name, mode):
+    """The tokens, and each new token's processed scores and raw logits (`output_scores`, `output_logits`)."""
     target = tiny_target(arch)
     assistant = make_assistant(target, depth=3, top_k=2, total_tokens=6)
     for seed in range(4):
         ids = torch.randint(0, 128, (1, 3 + 4 * seed), generator=torch.Generator().manual_seed(seed))
-        ref = plain(target, ids, max_new_tokens=24, **SETTINGS[name])
+        ref = plain(target, ids, max_new_tokens=24, **SETTINGS[name], **SCORES)
         out = target.generate(ids, max_new_tokens=24, do_sample=False, assistant_model=assistant,
-                              **SETTINGS[name], **mode_kwargs(mode))
-        assert torch.equal(out, ref), f"seed {seed}"
+                              **SETTINGS[name], **mode_kwargs(mode), **SCORES)
+        assert_same_steps(out, ref, ids.shape[1])
 
 
-def oracle_run(target, ids, reference, **options):
-    """The loop with an oracle that drafts the reference 4 deep: every node of long accepted paths is processed."""
+def oracle_run(target, ids, reference, record=None, new=30, **options):
+    """The loop with an oracle that drafts the reference 4 deep: every node of long accepted paths is processed
+    (`new`: the most new tokens; `record`: a `StepScores` for the new tokens' scores)."""
     config = GenerationConfig(do_sample=False, pad_token_id=0, **{k: v for k, v in options.items()
                                                                   if k not in processing.CALL_OPTIONS})
     extra = {k: v for k, v in options.items() if k in processing.CALL_OPTIONS}
     stats = SpeculativeStats()
-    rows = node_processing(target, config, ids, ids.shape[1] + 30, **extra)
-    out = speculative_generate(target, OracleDrafter(reference, 4, 8, 128), [1, 2, 3], ids, config, 30, stats,
-                               processing=rows[0])
+    rows = node_processing(target, config, ids, ids.shape[1] + new, **extra)
+    out = speculative_generate(target, OracleDrafter(reference, 4, 8, 128), [1, 2, 3], ids, config, new, stats,
+                               processing=rows[0], record=record)
     return out, stats
 
 

@@ -189,6 +189,7 @@ def answer(method: Method, tokenizer, question: dict, max_new_tokens: int, seed:
         start = time.perf_counter()
         out, accept = method.run(ids, max_new_tokens)
         times.append(time.perf_counter() - start)
+        out = getattr(out, "sequences", out)  # return_dict_in_generate
         if method.assistant is not None:
             for name, count in method.assistant.stats.accepted_by_source.items():
                 sources[name] += count

@@ -36,7 +36,7 @@ from ..utils.cache import full_attention, keep_path, reset_cache, static_cache
 from ..utils.grouped_attention import grouped_query_attention
 from ..utils.packed_linear import native_bf16, pack_linear_weights
 from .batched import generate_batch, is_batch, move_rows
-from .generation import SpeculativeStats, StaticTarget, TreeBudget, speculative_generate
+from .generation import SpeculativeStats, StaticTarget, StepScores, TreeBudget, speculative_generate
 from .processing import call_options, node_processing
 from .suffix import SuffixProposer, load_proposer
 from .tree import TreeDrafter, catch_up_step, draft_tree
@@ -48,8 +48,6 @@ _UNSUPPORTED = {
     "num_return_sequences": (None, 1),
     "guidance_scale": (None, 1.0),
     "watermarking_config": (None,),
-    "output_scores": (None, False),
-    "output_logits": (None, False),
     "output_attentions": (None, False),
     "output_hidden_states": (None, False),
 }
@@ -273,6 +271,7 @@ class ConFuAssistant:
         if not (nodes_set or config.do_sample or self.draft.config.contemplate_when_greedy):
             contemplate_nodes = 0
         max_new = _max_new_tokens(config, input_ids.shape[1], budget, target)
+        record = score_record(config, batched)
         parts = {}
         if uses_static_cache(config, "ConFu"):
             parts = self._static_parts(config, input_ids.shape[1] + max_new, budget,
@@ -291,9 +290,10 @@ class ConFuAssistant:
         output = speculative_generate(
             target, drafter, self.draft.config.feature_layers, input_ids, config, max_new, self.stats,
             tokenizer, streamer, self.adapter, contemplate_nodes, parts.get("target"), future_logit_weight, processing,
+            record,
         )
         self.stats.suffix_seconds = 0.0 if suffix is None else suffix.seconds
-        return returned(output, config)
+        return returned(output, config, record)
 
     def _static_parts(self, config: GenerationConfig, length: int, budget: TreeBudget, batch: int | None
                       ) -> dict[str, Any]:
@@ -538,11 +538,25 @@ def _generation_config(target: PreTrainedModel, kwargs: dict[str, Any]) -> Gener
     return config
 
 
-def returned(output: torch.LongTensor | ModelOutput, config: GenerationConfig) -> torch.LongTensor | ModelOutput:
+def score_record(config: GenerationConfig, batched: bool) -> StepScores | None:
+    """Where a call's `output_scores` / `output_logits` go (None where it asks for neither, or returns no dict, as
+    `generate` then returns the sequences alone); batches are refused."""
+    if not (config.return_dict_in_generate and (config.output_scores or config.output_logits)):
+        return None
+    if batched:
+        raise ValueError("output_scores / output_logits with an assistant are supported for one unpadded prompt at a "
+                         "time: generate each prompt alone, or call generate() without the assistant for the batch.")
+    return StepScores([] if config.output_scores else None, [] if config.output_logits else None)
+
+
+def returned(output: torch.LongTensor | ModelOutput, config: GenerationConfig, record: StepScores | None = None
+             ) -> torch.LongTensor | ModelOutput:
     """What `generate` returns: the sequences or, with `return_dict_in_generate`, a `GenerateDecoderOnlyOutput`
-    holding them (`output_scores`, `output_logits` and the rest are refused; no cache is returned)."""
+    holding them and the `record`ed scores and logits (no cache is returned)."""
     if config.return_dict_in_generate and torch.is_tensor(output):
-        return GenerateDecoderOnlyOutput(sequences=output)
+        scores, logits = (None, None) if record is None else (record.scores, record.logits)
+        return GenerateDecoderOnlyOutput(sequences=output, scores=None if scores is None else tuple(scores),
+                                         logits=None if logits is None else tuple(logits))
     return output
 
 

@@ -78,6 +78,22 @@ class SpeculativeStats:
         return {**asdict(self), "mean_accepted_tokens": self.mean_accepted_tokens, "other_seconds": self.other_seconds}
 
 
+@dataclass
+class StepScores:
+    """`generate`'s `output_scores` and `output_logits`: for each new token, the (1, V) float32 scores it was picked
+    from (the target's logits after the call's processors and warpers) and the target's raw logits; a list is None
+    where the call did not ask for it."""
+
+    scores: list[torch.Tensor] | None = None
+    logits: list[torch.Tensor] | None = None
+
+    def add(self, scores: torch.Tensor, logits: torch.Tensor) -> None:
+        """Record the (n, V) `scores` and `logits` of n new tokens."""
+        for kept, rows in ((self.scores, scores), (self.logits, logits)):
+            if kept is not None:
+                kept.extend(rows.to(torch.float32, copy=True).split(1))
+
+
 def stopping_criteria(config: GenerationConfig, max_length: int, tokenizer=None) -> StoppingCriteriaList:
     """The stopping criteria `generate` would use: length, EOS and stop strings."""
     criteria = StoppingCriteriaList([MaxLengthCriteria(max_length=max_length)])
@@ -208,6 +224,7 @@ def speculative_generate(
     static: StaticTarget | None = None,
     future_logit_weight: float = 0.0,
     processing: NodeProcessing | None = None,
+    record: StepScores | None = None,
 ) -> torch.LongTensor:
     """Generate up to `max_new_tokens` after `input_ids` (1, T); returns (1, T + new).
 
@@ -215,7 +232,7 @@ def speculative_generate(
     edits stay on the device with fixed shapes. `static` (static mode): the target's static cache and
     (compiled) calls; the drafter holds its own. `processing`: the logits processing of the call (default: the
     one `config` asks for); with any beyond greedy's none or sampling's token-free warpers, a round also reads the
-    tree on the host.
+    tree on the host. `record`: where each new token's scores and logits go (`output_scores`, `output_logits`).
 
     With `adapter` (ConFu) every verify pass also carries `[con]` tokens (on all nodes, or on the
     `contemplate_nodes` likeliest ends of the accepted path); the future vector read at the last accepted
@@ -237,8 +254,10 @@ def speculative_generate(
     logits, features = verify.prefill(input_ids)
     stats.verify_seconds += time.perf_counter() - t0
     output = input_ids.cpu()
-    root = processing.pick(logits[-1], output)
+    root, first = processing.pick(logits[-1], output)
     output, stopped = _append(output, [int(root)], criteria, streamer)
+    if record is not None:
+        record.add(first, logits[-1:])
     next_ids = torch.cat([input_ids[:, 1:], root.view(1, 1)], dim=1)
     feats, state, length, count = features, features[0, -1], prompt_len, None
     # the length as the fixed-shape calls see it: a host int, or in static mode a device scalar (no recompiles)
@@ -290,7 +309,11 @@ def speculative_generate(
         stats.target_forwards += 1
         stats.accept_lengths.append(n)
         stats.tree_sizes.append(len(tree))
+        before = output.shape[1]
         output, stopped = _append(output, accepted, criteria, streamer)
+        if record is not None:  # the k-th new token was picked at the k-th node of the path
+            nodes = path[: output.shape[1] - before]
+            record.add(scores[nodes], logits[nodes])
         feats, state = features[:, path], features[0, last[0]]
         length, at = length + n, at + count
     if streamer is not None:

@@ -69,10 +69,12 @@ class NodeProcessing:
                                 for i, ids in enumerate(prefixes)])
         return self.token_free(None, scores) if self.token_free else scores
 
-    def pick(self, logits: torch.Tensor, context: torch.LongTensor) -> torch.Tensor:
-        """The token `generate` picks after `context` (1, L) from the target's (V,) `logits` there."""
+    def pick(self, logits: torch.Tensor, context: torch.LongTensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The token `generate` picks after `context` (1, L) from the target's (V,) `logits` there, and the (1, V)
+        scores it picked from."""
         scores = self.scores(logits[None], context)
-        return torch.multinomial(probabilities(scores), 1)[0, 0] if self.sample else scores[0].argmax()
+        token = torch.multinomial(probabilities(scores), 1)[0, 0] if self.sample else scores[0].argmax()
+        return token, scores
 
 
 def probabilities(scores: torch.Tensor) -> torch.Tensor:

@@ -24,6 +24,7 @@ from .assistant import (
     checked_input_ids,
     static_parts,
     returned,
+    score_record,
     uses_static_cache,
     wrap_generate,
 )
@@ -113,7 +114,7 @@ class SuffixAssistant:
         tokenizer, streamer, options = kwargs.pop("tokenizer", None), kwargs.pop("streamer", None), call_options(kwargs)
         config = _generation_config(target, kwargs)
         max_new = _max_new_tokens(config, input_ids.shape[1], budget, target)
-        static = None
+        record, static = score_record(config, batched), None
         if uses_static_cache(config, "suffix"):
             self._static = static_parts(target, config, input_ids.shape[1] + max_new + 2 * total + 2, self._static,
                                         False, input_ids.shape[0] if batched else None)
@@ -128,7 +129,7 @@ class SuffixAssistant:
         processing = node_processing(target, config, input_ids, input_ids.shape[1] + max_new, **options)[0]
         output = speculative_generate(target, SuffixDrafter(self.proposer, total, static is not None, costs), layers,
                                       input_ids, config, max_new, self.stats, tokenizer, streamer, static=static,
-                                      processing=processing)
+                                      processing=processing, record=record)
         self.stats.suffix_seconds = self.proposer.seconds
-        return returned(output, config)
+        return returned(output, config, record)
 
