@@ -42,15 +42,20 @@ def exact_distribution(target, prompt: torch.Tensor, penalty: float = 1.0, no_re
     return probs
 
 
-def sampled_counts(target, assistant, prompt: torch.Tensor, samples: int = SAMPLES, **kwargs
-                   ) -> dict[tuple[int, ...], int]:
+def sampled_counts(target, assistant, prompt: torch.Tensor, samples: int = SAMPLES, pairs: list | None = None,
+                   **kwargs) -> dict[tuple[int, ...], int]:
+    """How often each continuation came out of `samples` calls (every returned sequence counts); `pairs`: where
+    each call's continuations are also listed, if given."""
     torch.manual_seed(0)
     counts: dict[tuple[int, ...], int] = {}
     for _ in range(samples):
         out = target.generate(prompt[None], max_new_tokens=NEW, do_sample=True, temperature=TEMPERATURE,
                               top_k=TOP_K, assistant_model=assistant, **kwargs)
-        key = tuple(out[0, prompt.numel():].tolist())
-        counts[key] = counts.get(key, 0) + 1
+        keys = [tuple(row[prompt.numel():].tolist()) for row in out]
+        for key in keys:
+            counts[key] = counts.get(key, 0) + 1
+        if pairs is not None:
+            pairs.append(keys)
     return counts
 
 

@@ -90,11 +90,63 @@ def test_only_what_is_asked_is_returned():
     assert torch.equal(no_dict, out.sequences)  # as plain generate: no dict, no scores
 
 
-@pytest.mark.parametrize("assistant", ["confu", "suffix"])
-def test_batches_are_refused_with_a_clear_error(assistant):
+def assert_same_steps_per_row(out, ref, prompt_len: int, eos: int) -> None:
+    """Batches: the same sequences; each row's scores and logits as plain batched generate's up to its end (its
+    EOS), zeros after it (where its sequence holds padding)."""
+    assert torch.equal(out.sequences, ref.sequences)
+    steps = out.sequences.shape[1] - prompt_len
+    for name in ("scores", "logits"):
+        ours, theirs = getattr(out, name), getattr(ref, name)
+        assert len(ours) == len(theirs) == steps, name
+        for row, new in enumerate(out.sequences[:, prompt_len:].tolist()):
+            real = new.index(eos) + 1 if eos in new else steps
+            for step in range(steps):
+                if step < real:
+                    torch.testing.assert_close(ours[step][row], theirs[step][row], atol=1e-4, rtol=1e-4,
+                                               msg=f"{name}, row {row}, step {step}")
+                else:
+                    assert not ours[step][row].any(), f"{name}, row {row}, step {step} (after its end)"
+
+
+@pytest.mark.parametrize("kind", ["suffix", "hybrid"])
+def test_batched_scores_match_plain_batched_generate_up_to_each_rows_end(kind, mode):
+    """Left-padded rows, suppressed tokens (scores differ from logits), an EOS that ends the first row early, and a
+    corpus of the rows' own answers, so rows accept blocks of several tokens."""
     target = tiny_target()
-    helper = make_assistant(target) if assistant == "confu" else SuffixAssistant(target)
-    ids, mask = left_padded(0, [4, 6])
-    with pytest.raises(ValueError, match="one unpadded prompt at a time"):
-        target.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0,
-                        assistant_model=helper, **SCORES)
+    ids, mask = left_padded(2, [4, 7, 5])
+    prompts = [row[keep.bool()][None] for row, keep in zip(ids, mask)]
+    first = target.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False, pad_token_id=0)
+    eos = int(first[0, ids.shape[1] + 6])
+    settings = dict(eos_token_id=eos, suppress_tokens=[1, 2])
+    corpus = oracle_corpus(target, prompts, 16, **settings)
+    assistant, tree = ((suffix_assistant(target, corpus), dict(tree_total_tokens=8)) if kind == "suffix" else
+                       (hybrid_assistant(target, corpus), dict(tree_depth=2, tree_top_k=1, tree_total_tokens=8)))
+    kwargs = dict(attention_mask=mask, max_new_tokens=16, do_sample=False, pad_token_id=0, **settings, **SCORES)
+    ref = target.generate(ids, **kwargs)
+    out = target.generate(ids, assistant_model=assistant, **kwargs, **tree, **mode_kwargs(mode))
+    assert assistant.stats.mode == mode and assistant.stats.mean_accepted_tokens > 2
+    assert_same_steps_per_row(out, ref, ids.shape[1], eos)
+
+
+def test_batches_the_policy_leaves_to_plain_generate_return_its_scores():
+    target = tiny_target()
+    assistant = make_assistant(target)
+    ids, mask = left_padded(3, [4, 7, 5])
+    kwargs = dict(attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0, **SCORES)
+    ref, out = target.generate(ids, **kwargs), target.generate(ids, assistant_model=assistant, **kwargs)
+    assert assistant.stats.mode == "plain"
+    assert torch.equal(out.sequences, ref.sequences)
+    for ours, theirs in zip(out.scores + out.logits, ref.scores + ref.logits):
+        assert torch.equal(ours, theirs)
+
+
+def test_returned_sequences_each_get_their_scores():
+    """`num_return_sequences` (top_k=1: every draw the argmax, so plain generate's copies are the reference)."""
+    target = tiny_target()
+    assistant = make_assistant(target)
+    ids = torch.randint(0, 128, (1, 6), generator=torch.Generator().manual_seed(5))
+    kwargs = dict(max_new_tokens=12, do_sample=True, top_k=1, num_return_sequences=2, **SCORES)
+    ref = target.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
+    out = target.generate(ids, assistant_model=assistant, tree_depth=2, tree_top_k=2, tree_total_tokens=5, **kwargs)
+    assert assistant.stats.mode == "eager" and out.sequences.shape[0] == 2
+    assert_same_steps(out, ref, ids.shape[1])

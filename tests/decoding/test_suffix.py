@@ -27,11 +27,11 @@ def repetitive_prompt(seed: int, vocab: int = 128) -> torch.LongTensor:
     return torch.cat([torch.randint(0, vocab, (1, 3), generator=g), phrase, phrase[:, : 2 + seed % 3]], dim=1)
 
 
-def oracle_corpus(target, prompts: list[torch.LongTensor], max_new: int = 60) -> CorpusIndex:
-    """A corpus of the target's own greedy answers (each with its prompt): from it the suffix proposer
-    proposes the true continuation, so blocks of many tokens are accepted."""
+def oracle_corpus(target, prompts: list[torch.LongTensor], max_new: int = 60, **kwargs) -> CorpusIndex:
+    """A corpus of the target's own greedy answers (each with its prompt; `kwargs`: more generate() settings): from
+    it the suffix proposer proposes the true continuation, so blocks of many tokens are accepted."""
     tokenizer = tiny_tokenizer()
-    docs = [plain(target, ids, max_new_tokens=max_new)[0].tolist() for ids in prompts]
+    docs = [plain(target, ids, max_new_tokens=max_new, **kwargs)[0].tolist() for ids in prompts]
     return CorpusIndex.build(docs, dict(tokenizer_fingerprint=tokenizer_fingerprint(tokenizer)))
 
 

@@ -45,7 +45,6 @@ from .width import checked_width, round_costs
 # generate() options that change the output in ways this loop does not reproduce, with neutral values.
 _UNSUPPORTED = {
     "num_beams": (None, 1),
-    "num_return_sequences": (None, 1),
     "guidance_scale": (None, 1.0),
     "watermarking_config": (None,),
     "output_attentions": (None, False),
@@ -271,7 +270,9 @@ class ConFuAssistant:
         if not (nodes_set or config.do_sample or self.draft.config.contemplate_when_greedy):
             contemplate_nodes = 0
         max_new = _max_new_tokens(config, input_ids.shape[1], budget, target)
-        record = score_record(config, batched)
+        input_ids, mask = sequence_copies(input_ids, mask, config)
+        batched = batched or input_ids.shape[0] > 1
+        record = score_record(config)
         parts = {}
         if uses_static_cache(config, "ConFu"):
             parts = self._static_parts(config, input_ids.shape[1] + max_new, budget,
@@ -279,7 +280,8 @@ class ConFuAssistant:
         if batched:  # B > 1 or left padding: batched.py
             return returned(generate_batch(self, target, input_ids, mask, config, budget if tree_set else None,
                                            max_new, tokenizer, streamer, contemplate_nodes, future_logit_weight,
-                                           self.suffix if use_suffix else None, parts or None, options), config)
+                                           self.suffix if use_suffix else None, parts or None, options, record),
+                            config, record)
         self.stats = SpeculativeStats(mode="static" if parts else "eager")
         temperature = (config.temperature or 1.0) if config.do_sample else None
         suffix = self.suffix if use_suffix else None
@@ -538,14 +540,26 @@ def _generation_config(target: PreTrainedModel, kwargs: dict[str, Any]) -> Gener
     return config
 
 
-def score_record(config: GenerationConfig, batched: bool) -> StepScores | None:
+def sequence_copies(input_ids: torch.LongTensor, mask: torch.Tensor | None, config: GenerationConfig
+                    ) -> tuple[torch.LongTensor, torch.Tensor | None]:
+    """`num_return_sequences` > 1 (sampling): each prompt and its mask repeated in place, as `generate` expands them
+    (an unmasked prompt's copies get an all-ones mask), and the config's count set back to 1; else as given."""
+    copies = config.num_return_sequences or 1
+    if copies == 1:
+        return input_ids, mask
+    if not config.do_sample:
+        raise ValueError(f"num_return_sequences={copies} needs do_sample=True: greedy decoding gives one sequence per "
+                         "prompt (plain generate refuses it too).")
+    config.num_return_sequences = 1
+    mask = torch.ones_like(input_ids) if mask is None else mask
+    return input_ids.repeat_interleave(copies, 0), mask.repeat_interleave(copies, 0)
+
+
+def score_record(config: GenerationConfig) -> StepScores | None:
     """Where a call's `output_scores` / `output_logits` go (None where it asks for neither, or returns no dict, as
-    `generate` then returns the sequences alone); batches are refused."""
+    `generate` then returns the sequences alone)."""
     if not (config.return_dict_in_generate and (config.output_scores or config.output_logits)):
         return None
-    if batched:
-        raise ValueError("output_scores / output_logits with an assistant are supported for one unpadded prompt at a "
-                         "time: generate each prompt alone, or call generate() without the assistant for the batch.")
     return StepScores([] if config.output_scores else None, [] if config.output_logits else None)
 
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import Cache, DynamicCache, GenerationConfig, PreTrainedModel
 from transformers.cache_utils import StaticLayer
+from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from ..models.contemplate import ContemplateAdapter, soft_prompt_mask
 from ..models.modeling_confu import ConFuDraftModel
@@ -27,6 +28,7 @@ from .generation import (
     SOURCE_NAMES,
     SpeculativeStats,
     StaticTarget,
+    StepScores,
     TreeBudget,
     _append,
     stopping_criteria,
@@ -348,6 +350,7 @@ def batched_generate(
     future_logit_weight: float = 0.0,
     static: StaticTarget | None = None,
     processing: list[NodeProcessing] | None = None,
+    records: list[StepScores] | None = None,
 ) -> torch.LongTensor:
     """Generate up to `max_new_tokens` after each row of the left-padded `input_ids` (B, T); returns (B, T + new),
     rows that end early padded with `pad_token_id` (or the first EOS id) as plain batched `generate` pads them.
@@ -357,7 +360,8 @@ def batched_generate(
     in `speculative_generate`, per row. `static` (static mode): the target's static cache and calls (the drafter
     holds its own); compiled (`static.keep` set), every pass keeps its shapes: finished rows stay in the batch,
     fed and keeping nothing, and the accepted paths are copied at the tree's full size. `processing`: each row's
-    logits processing (default: the one `config` asks for).
+    logits processing (default: the one `config` asks for). `records`: where each row's new tokens' scores and
+    logits go (`output_scores`, `output_logits`), one `StepScores` per row.
     """
     start = time.perf_counter()
     batch, prompt_len = input_ids.shape
@@ -386,10 +390,16 @@ def batched_generate(
     stats.row_accepted_by_source = [Counter() for _ in range(batch)]
     futures, priors = [None] * batch, [None] * batch
     accepted = [[int(r)] for r in roots.tolist()]
+    picked = [(scores[i : i + 1], logits[i : i + 1]) for i in range(batch)]  # each row's accepted tokens' scores
     next_ids = feats = counts = None
     while True:
+        before = [outputs[row].shape[1] for row in rows]
         keep = _advance(rows, accepted, outputs, ends, criteria, config.eos_token_id is not None,
                         prompt_len + max_new_tokens)
+        if records is not None:  # the tokens each row kept were picked at the first nodes of its path
+            for i, row in enumerate(rows):
+                kept = outputs[row].shape[1] - before[i]
+                records[row].add(picked[i][0][:kept], picked[i][1][:kept])
         if not keep:
             break
         if compiled:
@@ -454,6 +464,8 @@ def batched_generate(
             below_root = r[2 + next_ids.shape[1] :][1 : counts[i]]  # where the accepted nodes below the root came from
             stats.row_accepted_by_source[rows[i]].update(SOURCE_NAMES[origin] for origin in below_root if origin)
         accepted = [r[2 : 2 + count] for r, count in zip(read, counts)]
+        if records is not None:
+            picked = [(s[path], logits[i, path]) for i, (s, path) in enumerate(zip(scores, paths))]
         stats.draft_seconds += t1 - t0
         stats.verify_seconds += t2 - t1
         stats.target_forwards += 1
@@ -504,14 +516,16 @@ def generate_batch(assistant, target: PreTrainedModel, input_ids: torch.LongTens
                    attention_mask: torch.Tensor | None, config: GenerationConfig, budget: TreeBudget | None,
                    max_new_tokens: int, tokenizer=None, streamer=None, contemplate_nodes: int | None = None,
                    future_logit_weight: float = 0.0, suffix: SuffixProposer | None = None,
-                   static: dict | None = None, options: dict | None = None) -> torch.LongTensor:
+                   static: dict | None = None, options: dict | None = None, record: StepScores | None = None
+                   ) -> torch.LongTensor | GenerateDecoderOnlyOutput:
     """`ConFuAssistant.generate` and `SuffixAssistant.generate` for a batch (or a left-padded prompt): checks the
     inputs, picks the budget (`budget` None: `batch_budget`'s choice for `assistant.budget`), then runs
     `batched_generate`, or plain `generate` where the policy says speculation does not pay. `suffix`: the proposer
     whose candidates join every row's tree (each row gets its own `fork`); a draft-free assistant (`SuffixAssistant`,
     no `draft`) verifies them alone. `static`: the static mode's parts for this batch (`assistant.static_parts`:
     the target's cache and calls, the chain's draft cache, one draft cache per row). `options`: the call's
-    `processing.CALL_OPTIONS`. Sets `assistant.stats` (a `BatchStats`)."""
+    `processing.CALL_OPTIONS`. `record`: where the new tokens' scores and logits go, per step (B, V) (plain
+    `generate` returns its own dict). Sets `assistant.stats` (a `BatchStats`)."""
     batch = input_ids.shape[0]
     if streamer is not None:
         raise ValueError("A streamer supports batch size 1 only (as in transformers): generate one prompt at a time "
@@ -551,9 +565,12 @@ def generate_batch(assistant, target: PreTrainedModel, input_ids: torch.LongTens
     stats.mode = "eager" if target_parts is None else "static"
     processing = node_processing(target, config, input_ids, input_ids.shape[1] + max_new_tokens, mask,
                                  **(options or {}))
+    records = None if record is None else [record.like() for _ in range(batch)]
     output = batched_generate(target, drafter, layers, input_ids, mask, config, max_new_tokens, stats, tokenizer,
                               None if draft is None else assistant.adapter, contemplate_nodes, future_logit_weight,
-                              target_parts, processing)
+                              target_parts, processing, records)
+    if record is not None:
+        record.add_rows(records, output.shape[1] - input_ids.shape[1])
     stats.suffix_seconds = sum(proposer.seconds for proposer in proposers if proposer is not None)
     return output
 

@@ -93,6 +93,21 @@ class StepScores:
             if kept is not None:
                 kept.extend(rows.to(torch.float32, copy=True).split(1))
 
+    def like(self) -> "StepScores":
+        """An empty record of the same kinds."""
+        return StepScores(None if self.scores is None else [], None if self.logits is None else [])
+
+    def add_rows(self, rows: list["StepScores"], steps: int) -> None:
+        """Record `steps` new tokens of a batch from each row's own record: per step the rows' (1, V) tensors
+        stacked into one (B, V), zeros where a row has fewer steps (it ended: its output is padding there)."""
+        for name in ("scores", "logits"):
+            kept = getattr(self, name)
+            if kept is None:
+                continue
+            per_row = [getattr(row, name) for row in rows]
+            zeros = torch.zeros_like(next(r[0] for r in per_row if r))
+            kept.extend(torch.cat([r[step] if step < len(r) else zeros for r in per_row]) for step in range(steps))
+
 
 def stopping_criteria(config: GenerationConfig, max_length: int, tokenizer=None) -> StoppingCriteriaList:
     """The stopping criteria `generate` would use: length, EOS and stop strings."""

@@ -25,6 +25,7 @@ from .assistant import (
     static_parts,
     returned,
     score_record,
+    sequence_copies,
     uses_static_cache,
     wrap_generate,
 )
@@ -114,7 +115,9 @@ class SuffixAssistant:
         tokenizer, streamer, options = kwargs.pop("tokenizer", None), kwargs.pop("streamer", None), call_options(kwargs)
         config = _generation_config(target, kwargs)
         max_new = _max_new_tokens(config, input_ids.shape[1], budget, target)
-        record, static = score_record(config, batched), None
+        input_ids, mask = sequence_copies(input_ids, mask, config)
+        batched = batched or input_ids.shape[0] > 1
+        record, static = score_record(config), None
         if uses_static_cache(config, "suffix"):
             self._static = static_parts(target, config, input_ids.shape[1] + max_new + 2 * total + 2, self._static,
                                         False, input_ids.shape[0] if batched else None)
@@ -122,7 +125,8 @@ class SuffixAssistant:
         if batched:  # B > 1 or left padding
             return returned(generate_batch(self, target, input_ids, mask, config, budget if tree_set else None,
                                            max_new, tokenizer, streamer, suffix=self.proposer,
-                                           static=None if static is None else self._static, options=options), config)
+                                           static=None if static is None else self._static, options=options,
+                                           record=record), config, record)
         self.stats = SpeculativeStats(mode="eager" if static is None else "static")
         layers = [target.config.num_hidden_layers]  # the loop reads features; nothing uses them here
         costs = None if static is not None else round_costs(self, target, total)
