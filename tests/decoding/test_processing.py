@@ -52,16 +52,23 @@ SETTINGS = {
 SCORES = dict(return_dict_in_generate=True, output_scores=True, output_logits=True)
 
 
-def assert_same_steps(out, ref, prompt_len: int) -> None:
-    """Same sequences, and per new token the same scores and logits (up to the float error of a tree pass)."""
+def assert_same_steps(out, ref, prompt_len: int, eos: int | None = None) -> None:
+    """Same sequences, and per new token the same scores and logits (up to the float error of a tree pass); with
+    `eos`, each row's up to its end (its EOS) and zeros after it (where its sequence holds padding)."""
     assert torch.equal(out.sequences, ref.sequences)
-    new = out.sequences.shape[1] - prompt_len
+    steps = out.sequences.shape[1] - prompt_len
     for name in ("scores", "logits"):
         ours, theirs = getattr(out, name), getattr(ref, name)
-        assert len(ours) == len(theirs) == new, name
-        for step, (a, b) in enumerate(zip(ours, theirs)):
-            assert a.dtype == b.dtype == torch.float32 and a.shape == b.shape, (name, step)
-            torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4, msg=f"{name} at step {step}")
+        assert len(ours) == len(theirs) == steps, name
+        for row, new in enumerate(out.sequences[:, prompt_len:].tolist()):
+            end = new.index(eos) + 1 if eos in new else steps
+            for step, (a, b) in enumerate(zip(ours, theirs)):
+                where = f"{name}, row {row}, step {step}"
+                assert a.dtype == b.dtype == torch.float32 and a.shape == b.shape, where
+                if step < end:
+                    torch.testing.assert_close(a[row], b[row], atol=1e-4, rtol=1e-4, msg=where)
+                else:
+                    assert not a[row].any(), f"{where} (after its end)"
 
 
 @pytest.mark.parametrize("name", SETTINGS)

@@ -9,10 +9,10 @@ import torch
 from conftest import tiny_target
 from scipy.stats import binomtest
 from test_batched import left_padded
+from test_generation import make_assistant
+from test_processing import sampling_setup  # noqa: F401 (a fixture)
 from test_sampling import SAMPLES, exact_distribution, p_value, sampled_counts
 from test_suffix import suffix_assistant
-
-from transformers_confu import ConFuAssistant, ConFuDraftConfig
 
 TREE = dict(tree_depth=2, tree_top_k=2, tree_total_tokens=5)
 
@@ -22,8 +22,7 @@ TREE = dict(tree_depth=2, tree_top_k=2, tree_total_tokens=5)
 def test_copies_of_each_prompt_in_generates_order(kind, tree):
     """top_k=1 makes every draw the argmax: each copy must be plain generate's, row for row, left padding included."""
     target = tiny_target()
-    config = ConFuDraftConfig.for_target(target, draft_vocab_size=64)
-    assistant = ConFuAssistant.from_config(config, target) if kind == "confu" else suffix_assistant(target)
+    assistant = make_assistant(target) if kind == "confu" else suffix_assistant(target)
     tree = tree if kind == "confu" else {k: v for k, v in tree.items() if k == "tree_total_tokens"}
     for ids, mask in [(torch.randint(0, 128, (1, 7), generator=torch.Generator().manual_seed(0)), None),
                       left_padded(1, [4, 7])]:
@@ -34,14 +33,10 @@ def test_copies_of_each_prompt_in_generates_order(kind, tree):
         assert assistant.stats.mode == ("eager" if tree else "plain")
 
 
-def test_copies_are_independent_draws_from_the_exact_distribution():
+def test_copies_are_independent_draws_from_the_exact_distribution(sampling_setup):
     """Pooled, the copies follow the exact distribution; the two copies of a call agree as often as two independent
     draws would (sum of p^2), which identical or correlated copies would not."""
-    target = tiny_target(vocab_size=6, init=0.15, seed=3)
-    config = ConFuDraftConfig.for_target(target, draft_vocab_size=6)
-    config.initializer_range = 0.4
-    assistant = ConFuAssistant.from_config(config, target, draft_dtype="float32")
-    prompt = torch.tensor([1, 4, 2])
+    target, assistant, prompt = sampling_setup
     exact = exact_distribution(target, prompt)
     pairs = []
     counts = sampled_counts(target, assistant, prompt, SAMPLES // 2, num_return_sequences=2, pairs=pairs, **TREE)
@@ -53,7 +48,7 @@ def test_copies_are_independent_draws_from_the_exact_distribution():
 
 def test_greedy_copies_are_refused_as_plain_generate_refuses_them():
     target = tiny_target()
-    assistant = ConFuAssistant.from_config(ConFuDraftConfig.for_target(target, draft_vocab_size=64), target)
+    assistant = make_assistant(target)
     ids = torch.ones(1, 4, dtype=torch.long)
     with pytest.raises(ValueError, match="num_return_sequences"):
         target.generate(ids, max_new_tokens=5, do_sample=False, num_return_sequences=2, assistant_model=assistant)

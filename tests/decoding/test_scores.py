@@ -90,24 +90,6 @@ def test_only_what_is_asked_is_returned():
     assert torch.equal(no_dict, out.sequences)  # as plain generate: no dict, no scores
 
 
-def assert_same_steps_per_row(out, ref, prompt_len: int, eos: int) -> None:
-    """Batches: the same sequences; each row's scores and logits as plain batched generate's up to its end (its
-    EOS), zeros after it (where its sequence holds padding)."""
-    assert torch.equal(out.sequences, ref.sequences)
-    steps = out.sequences.shape[1] - prompt_len
-    for name in ("scores", "logits"):
-        ours, theirs = getattr(out, name), getattr(ref, name)
-        assert len(ours) == len(theirs) == steps, name
-        for row, new in enumerate(out.sequences[:, prompt_len:].tolist()):
-            real = new.index(eos) + 1 if eos in new else steps
-            for step in range(steps):
-                if step < real:
-                    torch.testing.assert_close(ours[step][row], theirs[step][row], atol=1e-4, rtol=1e-4,
-                                               msg=f"{name}, row {row}, step {step}")
-                else:
-                    assert not ours[step][row].any(), f"{name}, row {row}, step {step} (after its end)"
-
-
 @pytest.mark.parametrize("kind", ["suffix", "hybrid"])
 def test_batched_scores_match_plain_batched_generate_up_to_each_rows_end(kind, mode):
     """Left-padded rows, suppressed tokens (scores differ from logits), an EOS that ends the first row early, and a
@@ -125,7 +107,7 @@ def test_batched_scores_match_plain_batched_generate_up_to_each_rows_end(kind, m
     ref = target.generate(ids, **kwargs)
     out = target.generate(ids, assistant_model=assistant, **kwargs, **tree, **mode_kwargs(mode))
     assert assistant.stats.mode == mode and assistant.stats.mean_accepted_tokens > 2
-    assert_same_steps_per_row(out, ref, ids.shape[1], eos)
+    assert_same_steps(out, ref, ids.shape[1], eos)
 
 
 def test_batches_the_policy_leaves_to_plain_generate_return_its_scores():
