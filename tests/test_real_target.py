@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+from transformers import pipeline
 
 from transformers_confu import ConFuAssistant, ConFuDraftConfig, SuffixAssistant, load_target
 from transformers_confu.benchmark.batch_bench import left_padded
@@ -90,6 +91,17 @@ def test_real_target_return_sequences_as_plain_generate(real):
         for row, end in enumerate(ends):
             if step < end:
                 torch.testing.assert_close(ours[row], theirs[row], atol=2e-3, rtol=1e-4)
+
+
+def test_real_target_pipeline_as_plain_pipeline(real):
+    """`pipeline("text-generation", ..., assistant_model=assistant)` on chat messages: the plain pipeline's answer."""
+    model, tokenizer, assistant = real
+    messages = [{"role": "user", "content": "Give two tips for learning a language, briefly."}]
+    options = dict(max_new_tokens=40, do_sample=False)
+    ref = pipeline("text-generation", model=model, tokenizer=tokenizer)(messages, **options)
+    out = pipeline("text-generation", model=model, tokenizer=tokenizer, assistant_model=assistant)(messages, **options)
+    assert out == ref and out[0]["generated_text"][-1]["role"] == "assistant"
+    assert assistant.stats.new_tokens > 0 and assistant.stats.mean_accepted_tokens > 1
 
 
 def test_real_target_sampling_runs_and_stops_at_eos(real):

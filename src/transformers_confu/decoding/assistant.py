@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from huggingface_hub.utils import HFValidationError, validate_repo_id
 from safetensors import SafetensorError
-from transformers import CompileConfig, GenerationConfig, PreTrainedModel
+from transformers import CompileConfig, GenerationConfig, PretrainedConfig, PreTrainedModel
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 from transformers.utils import ModelOutput
 
@@ -53,7 +53,33 @@ _UNSUPPORTED = {
 STATIC_BUCKET = 256  # static-mode cache capacities are multiples of this
 
 
-class ConFuAssistant:
+class RoutedAssistant:
+    """What `target.generate(assistant_model=self)` and `pipeline(..., model=target, assistant_model=self)` need of an
+    assistant: `wrap_generate` (called when it is built) routes the target's generate to `self.generate`, and
+    `config` is the target's (a pipeline checks that its model and the assistant share the vocabulary and special
+    tokens). `build`: how to build one for a model, for error messages."""
+
+    routes_generate = True  # `target.generate(assistant_model=self)` runs `self.generate`
+    build: str
+    target: PreTrainedModel
+
+    @property
+    def config(self) -> PretrainedConfig:
+        """The target's config."""
+        return self.target.config
+
+    def __getattr__(self, name: str) -> Any:
+        # Only reached when transformers' own generate() inspects us: the model was not prepared.
+        target = self.__dict__.get("target")
+        raise AttributeError(
+            f"{type(self).__name__!r} has no attribute {name!r}. If this came from `model.generate(..., "
+            f"assistant_model=)` or a pipeline: this assistant drafts for {_describe(target)}, and the model you called "
+            f"is not prepared for it. Build one for the model you call, {self.build}, and create it BEFORE evaluating "
+            "`model.generate` (creating it prepares the model's generate())."
+        )
+
+
+class ConFuAssistant(RoutedAssistant):
     """A draft head bound to a target model, usable as `target.generate(..., assistant_model=self)`.
 
     Attributes:
@@ -83,7 +109,7 @@ class ConFuAssistant:
     prediction is mixed into the first drafted level) with `future_logit_weight=`.
     """
 
-    routes_generate = True  # `target.generate(assistant_model=self)` runs `self.generate`
+    build = "`ConFuAssistant.from_pretrained(draft, target_model=model)`"
 
     def __init__(self, draft: ConFuDraftModel, target_model: PreTrainedModel,
                  adapter: ContemplateAdapter | None = None, contemplate_nodes: int | None = None,
@@ -126,16 +152,6 @@ class ConFuAssistant:
         self.sampling_top_k: int | None = None
         self.stats = SpeculativeStats()
         wrap_generate(target_model)
-
-    def __getattr__(self, name: str) -> Any:
-        # Only reached when transformers' own generate() inspects us: the model was not prepared.
-        target = self.__dict__.get("target")
-        raise AttributeError(
-            f"'ConFuAssistant' has no attribute {name!r}. If this came from `model.generate(..., assistant_model=)`: "
-            f"this assistant drafts for {_describe(target)}, and the model you called is not prepared for it. "
-            "Build one for the model you call, `ConFuAssistant.from_pretrained(draft, target_model=model)`, "
-            "and create it BEFORE evaluating `model.generate` (creating it prepares the model's generate())."
-        )
 
     @classmethod
     def from_pretrained(
@@ -243,8 +259,7 @@ class ConFuAssistant:
         leaves this call's trees to the draft alone."""
         input_ids, mask = kwargs.pop("inputs", input_ids), kwargs.pop("attention_mask", None)
         batched = is_batch(input_ids, mask)
-        input_ids = checked_input_ids(self.target, target, input_ids,
-                                      "`ConFuAssistant.from_pretrained(draft, target_model=model)`", batched)
+        input_ids = checked_input_ids(self.target, target, input_ids, self.build, batched)
         use_suffix = kwargs.pop("suffix", True)
         tree_set = self._budget_set or any(f"tree_{name}" in kwargs for name in ("depth", "top_k", "total_tokens"))
         top_k = kwargs.pop("tree_top_k", None)

@@ -19,6 +19,7 @@ import torch
 from transformers import PreTrainedModel
 
 from .assistant import (
+    RoutedAssistant,
     _generation_config,
     _max_new_tokens,
     checked_input_ids,
@@ -58,7 +59,7 @@ class SuffixDrafter:
         return suffix_tree(root, candidates, self.total_tokens, self.pad, self.costs)
 
 
-class SuffixAssistant:
+class SuffixAssistant(RoutedAssistant):
     """Suffix drafting bound to a target model, usable as `model.generate(..., assistant_model=self)`.
 
     Args:
@@ -80,7 +81,7 @@ class SuffixAssistant:
     last call; a `batched.BatchStats` for a batch).
     """
 
-    routes_generate = True  # `model.generate(assistant_model=self)` runs `self.generate`
+    build = "`SuffixAssistant(model)`"
 
     def __init__(self, model: PreTrainedModel, corpus: str | os.PathLike | CorpusIndex | None = None,
                  tokenizer=None, total_tokens: int | None = None, width: str | dict[int, float] = "fixed",
@@ -106,7 +107,7 @@ class SuffixAssistant:
         """Run suffix speculative decoding; called through `target.generate(assistant_model=self)`."""
         input_ids, mask = kwargs.pop("inputs", input_ids), kwargs.pop("attention_mask", None)
         batched = is_batch(input_ids, mask)
-        input_ids = checked_input_ids(self.target, target, input_ids, "`SuffixAssistant(model)`", batched)
+        input_ids = checked_input_ids(self.target, target, input_ids, self.build, batched)
         tree_set = self._budget_set or "tree_total_tokens" in kwargs
         budget = replace(self.budget, total_tokens=kwargs.pop("tree_total_tokens", self.total_tokens))
         total = budget.total_tokens
