@@ -141,7 +141,7 @@ EOF
   cp -r $drafts-confu/contemplate_adapter .dev/s3/confu/  # the `confu` step's starting adapter (74 KB)
   python3 -m transformers_confu.training.prompt_pool --prompts-dir "$prompts" --train-dir "$data" --out .dev/pool \
     --unanswered-in "$dataset"
-  python3 -m transformers_confu.training.prompt_pool --next-turns-from "$dataset" --max-turns 4 --out .dev/pool \
+  python3 -m transformers_confu.training.prompt_pool --next-turns-from "$dataset" --max-turns 5 --out .dev/pool \
     --unanswered-in "$dataset"
   tar -C "$data/.." -cJf .dev/s4/train.tar.xz "$(basename "$data")" --transform "s|^$(basename "$data")|train|"
   tar -C .dev -cJf .dev/s3/pool.tar.xz pool

@@ -228,6 +228,12 @@ def test_third_turns_follow_second_answers_and_never_repeat_a_request():
     assert len(fourth) == 20 and {r["kind"] for r in fourth} == {"fourth_turn"}
     for row, request in zip(asked_twice, fourth):
         assert request["messages"][:6] == row["messages"] and request["messages"][6]["content"] in NEXT_TURN["any"][2:]
+    asked_thrice = [_conversation([*[(m["content"], "A.") for m in r["messages"][::2]], (NEXT_TURN["any"][2], "D.")],
+                                  "fourth_turn") for r in asked_twice]
+    assert next_turns(asked_thrice, max_turns=4) == []
+    fifth = next_turns(asked_thrice, max_turns=5)
+    assert len(fifth) == 20 and {r["kind"] for r in fifth} == {"fifth_turn"}
+    assert all(r["messages"][8]["content"] in NEXT_TURN["any"][3:] for r in fifth)  # none of the four asked
 
 
 def test_next_turns_from_an_answers_dataset_go_to_their_own_pool_files(tmp_path):

@@ -27,8 +27,8 @@ training files of `../shared/data/train/`; see that folder's README) and yields 
   XQuAD en article's paragraphs;
 - followup: OpenAssistant conversations whose later user turn follows the target's own earlier answer
   (`followups`: built from an answers dataset once the openers are answered);
-- second_turn, third_turn (fourth_turn with `--max-turns 4`): every finished first- (second-, third-) turn answer of
-  an answers dataset with a user's next request after it, in wordings fit to the first request's kind
+- second_turn, third_turn (fourth_turn with `--max-turns 4`, fifth_turn with 5): every finished first- (second-,
+  ...) turn answer of an answers dataset with a user's next request after it, in wordings fit to the first request's kind
   (`next_turns`: the pool grows with the dataset).
 
 Requests that share a 13-word span with the benchmark's dev questions are left out (`exclude`), and no
@@ -446,7 +446,7 @@ def followups(trees_file: str | Path, answers: Mapping[str, str]) -> list[Reques
 
 
 # the kind of a request by how many requests its conversation holds
-TURN_KINDS = {2: "second_turn", 3: "third_turn", 4: "fourth_turn"}
+TURN_KINDS = {2: "second_turn", 3: "third_turn", 4: "fourth_turn", 5: "fifth_turn"}
 
 
 def next_turns(rows: Iterable[Mapping], seed: int = 0, max_turns: int = 3) -> list[Request]:
@@ -454,8 +454,8 @@ def next_turns(rows: Iterable[Mapping], seed: int = 0, max_turns: int = 3) -> li
     (`read_rows`) that alternates requests and answers, ends with a finished answer and holds fewer than
     `max_turns` requests: the next request is drawn from `NEXT_TURN` for the row's kind and "any", less the
     requests it already holds, by a generator seeded with the row's prompt, so that a grown dataset gives the
-    same requests for the old rows. Second turns follow first answers, third turns second ones, fourth turns third
-    ones."""
+    same requests for the old rows. Second turns follow first answers, third turns second ones, and so on up to
+    fifth turns."""
     out = []
     for row in rows:
         messages = row["messages"]
@@ -521,7 +521,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--next-turns-from", default=None,
                    help="an answers dataset: write a next request after each of its finished answers (second and "
                         "third turns: prompts_second_turn.jsonl, prompts_third_turn.jsonl; with --max-turns 4 also "
-                        "prompts_fourth_turn.jsonl)")
+                        "prompts_fourth_turn.jsonl, with 5 prompts_fifth_turn.jsonl too)")
     p.add_argument("--max-turns", type=int, default=3, choices=sorted(TURN_KINDS),
                    help="with --next-turns-from: the most requests a conversation reaches")
     p.add_argument("--exclude", default=str(DEV_QUESTIONS), help="questions whose text must not be in the pool")
