@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from transformers import pipeline
+from transformers import StoppingCriteria, StoppingCriteriaList, pipeline
 
 from transformers_confu import ConFuAssistant, ConFuDraftConfig, SuffixAssistant, load_target
 from transformers_confu.benchmark.batch_bench import left_padded
@@ -91,6 +91,22 @@ def test_real_target_return_sequences_as_plain_generate(real):
         for row, end in enumerate(ends):
             if step < end:
                 torch.testing.assert_close(ours[row], theirs[row], atol=2e-3, rtol=1e-4)
+
+
+def test_real_target_own_stopping_criteria_and_max_time_as_plain_generate(real):
+    """A call's `stopping_criteria=` (done at the first full stop) and `max_time=0` (one token) as plain `generate`."""
+    model, tokenizer, assistant = real
+    ids = chat_input_ids(tokenizer, ["Describe the moon in three sentences."])
+    stop = tokenizer.convert_tokens_to_ids(".")
+    criteria = StoppingCriteriaList([type("FullStop", (StoppingCriteria,), {
+        "__call__": lambda self, input_ids, scores, **kwargs: input_ids[:, -1] == stop})()])
+    ends = {}
+    for name, case in (("criteria", dict(stopping_criteria=criteria)), ("time", dict(max_time=0.0))):
+        ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=64, do_sample=False, **case)
+        out = model.generate(ids, max_new_tokens=64, do_sample=False, assistant_model=assistant, **case)
+        assert torch.equal(out, ref), name
+        ends[name] = out[0, ids.shape[1]:]
+    assert int(ends["criteria"][-1]) == stop and len(ends["criteria"]) < 64 and len(ends["time"]) == 1
 
 
 def test_real_target_pipeline_as_plain_pipeline(real):

@@ -7,7 +7,8 @@ import torch
 from conftest import tiny_target, tiny_tokenizer
 from test_generation import make_assistant
 from test_sampling import SAMPLES, TEMPERATURE, TOP_K, exact_distribution, p_value
-from transformers import GenerationConfig
+from test_suffix import LastTokenIs
+from transformers import GenerationConfig, StoppingCriteriaList
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 import transformers_confu.decoding.batched as batched
@@ -67,11 +68,11 @@ def noisy_oracles(reference: torch.Tensor, mask: torch.Tensor, depth: int, total
     return RowDrafters(drafters)
 
 
-def oracle_batch(target, ids, mask, reference, max_new, **config):
+def oracle_batch(target, ids, mask, reference, max_new, stopping=None, **config):
     stats = BatchStats()
     out = batched_generate(target, noisy_oracles(reference, mask, 5, 9), [1, 2, 3], ids, mask,
                            GenerationConfig(do_sample=False, pad_token_id=0, **config), max_new, stats,
-                           tokenizer=config.get("tokenizer"))
+                           tokenizer=config.get("tokenizer"), stopping=stopping)
     return out, stats
 
 
@@ -138,6 +139,28 @@ def test_stop_strings_without_eos_keep_decoding_as_plain_generate():
     out = plain(target, ids, mask, max_new_tokens=40, stop_strings=[stop], tokenizer=tokenizer,
                 assistant_model=assistant, tree_depth=2)
     assert torch.equal(out, ref)
+
+
+@pytest.mark.parametrize("eos", [None, 126], ids=["no-eos", "eos"])
+def test_own_stopping_criteria_and_max_time_per_row_as_plain_generate(eos):
+    """A call's `stopping_criteria=` fires per row (with an EOS id plain `generate` pads a stopped row, without
+    one it goes on); `max_time=0` stops every row after its first token."""
+    target = tiny_target()
+    assistant = make_assistant(target)
+    ids, mask = left_padded(3, [6, 4, 8])
+    free = plain(target, ids, mask, max_new_tokens=40)
+    stop = StoppingCriteriaList([LastTokenIs(int(free[1, ids.shape[1] + 6]))])
+    ref = plain(target, ids, mask, max_new_tokens=40, eos_token_id=eos, stopping_criteria=stop)
+    assert not torch.equal(ref[1], free[1]) if eos else ref.shape == free.shape  # row 1 padded after its stop
+    out, _ = oracle_batch(target, ids, mask, free, 40, stopping=stop, eos_token_id=eos)
+    assert torch.equal(out, ref)
+    out = plain(target, ids, mask, max_new_tokens=40, eos_token_id=eos, stopping_criteria=stop,
+                assistant_model=assistant, tree_depth=2)
+    assert torch.equal(out, ref)
+    ref = plain(target, ids, mask, max_new_tokens=40, eos_token_id=eos, max_time=0.0)
+    out = plain(target, ids, mask, max_new_tokens=40, eos_token_id=eos, max_time=0.0, assistant_model=assistant,
+                tree_depth=2)
+    assert torch.equal(out, ref) and out.shape[1] == ids.shape[1] + 1
 
 
 @pytest.mark.parametrize("max_new", [1, 2, 7])

@@ -416,3 +416,20 @@ def test_bfloat16_draft_beside_a_float32_target_is_lossless(arch, kind, mode):
     out = target.generate(batch, attention_mask=mask, max_new_tokens=16, do_sample=False, pad_token_id=0,
                           assistant_model=assistant, **mode_kwargs(mode))
     assert torch.equal(out, plain(target, batch, max_new_tokens=16))
+
+
+def test_max_time_stops_as_plain_generate(mode):
+    """`max_time`: 0 stops after the first token as plain `generate` does; a short limit cuts the greedy output
+    (until now it was ignored with an assistant)."""
+    target = tiny_target()
+    assistant = make_assistant(target, depth=2, top_k=2, total_tokens=4)
+    ids = torch.randint(0, 128, (1, 6), generator=torch.Generator().manual_seed(2))
+    free = plain(target, ids, max_new_tokens=400)
+    for limit in (0.0, 1e6):
+        out = target.generate(ids, max_new_tokens=400, do_sample=False, assistant_model=assistant, max_time=limit,
+                              **mode_kwargs(mode))
+        assert torch.equal(out, plain(target, ids, max_new_tokens=400, max_time=limit))
+    assert out.shape[1] == 406
+    out = target.generate(ids, max_new_tokens=400, do_sample=False, assistant_model=assistant, max_time=0.05,
+                          **mode_kwargs(mode))
+    assert ids.shape[1] < out.shape[1] < 406 and torch.equal(out[0], free[0, : out.shape[1]])

@@ -8,6 +8,7 @@ import torch
 from conftest import tiny_target, tiny_tokenizer
 from test_generation import make_assistant, mode_kwargs, plain
 from test_sampling import compiled_static, exact_distribution, p_value, sampled_counts
+from transformers import StoppingCriteria, StoppingCriteriaList
 
 import transformers_confu.decoding.verify as verify
 from transformers_confu import ConFuAssistant, ConFuDraftConfig, SuffixAssistant
@@ -72,6 +73,16 @@ def test_corpus_of_own_answers_gives_long_accepted_blocks(arch, mode):
         assert assistant.stats.mean_accepted_tokens > 3 and assistant.stats.suffix_seconds > 0
 
 
+class LastTokenIs(StoppingCriteria):
+    """A call's own stopping criterion: done where a row's last token is `token`."""
+
+    def __init__(self, token: int) -> None:
+        self.token = token
+
+    def __call__(self, input_ids: torch.LongTensor, scores, **kwargs) -> torch.BoolTensor:
+        return input_ids[:, -1] == self.token
+
+
 @pytest.mark.parametrize("kind", ["suffix", "hybrid"])
 def test_eos_stop_strings_and_max_new_tokens_inside_a_copied_block(kind, mode):
     target, tokenizer = tiny_target(), tiny_tokenizer()
@@ -82,7 +93,8 @@ def test_eos_stop_strings_and_max_new_tokens_inside_a_copied_block(kind, mode):
     free = plain(target, ids, max_new_tokens=40)
     eos = int(free[0, ids.shape[1] + 13])
     cases = [dict(eos_token_id=eos), dict(max_new_tokens=13), dict(max_new_tokens=2),
-             dict(stop_strings=[tokenizer.decode(free[0, ids.shape[1] + 9 : ids.shape[1] + 11])], tokenizer=tokenizer)]
+             dict(stop_strings=[tokenizer.decode(free[0, ids.shape[1] + 9 : ids.shape[1] + 11])], tokenizer=tokenizer),
+             dict(stopping_criteria=StoppingCriteriaList([LastTokenIs(int(free[0, ids.shape[1] + 11]))]))]
     for case in cases:
         case = dict(max_new_tokens=40) | case
         ref = plain(target, ids, **case)

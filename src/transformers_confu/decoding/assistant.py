@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from huggingface_hub.utils import HFValidationError, validate_repo_id
 from safetensors import SafetensorError
-from transformers import CompileConfig, GenerationConfig, PretrainedConfig, PreTrainedModel
+from transformers import CompileConfig, GenerationConfig, PretrainedConfig, PreTrainedModel, StoppingCriteriaList
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 from transformers.utils import ModelOutput
 
@@ -60,7 +60,7 @@ class RoutedAssistant:
     tokens). `build`: how to build one for a model, for error messages."""
 
     routes_generate = True  # `target.generate(assistant_model=self)` runs `self.generate`
-    build: str
+    build = "an assistant of this kind with that model as its target"
     target: PreTrainedModel
 
     @property
@@ -265,7 +265,7 @@ class ConFuAssistant(RoutedAssistant):
         top_k = kwargs.pop("tree_top_k", None)
         depth = kwargs.pop("tree_depth", self.budget.depth)
         total_tokens = kwargs.pop("tree_total_tokens", self.budget.total_tokens)
-        tokenizer, streamer, options = kwargs.pop("tokenizer", None), kwargs.pop("streamer", None), call_options(kwargs)
+        tokenizer, streamer, options, stopping = call_arguments(kwargs)
         nodes_set = self._nodes_set or "contemplate_nodes" in kwargs
         contemplate_nodes = kwargs.pop("contemplate_nodes", self.contemplate_nodes)
         if contemplate_nodes is not None and contemplate_nodes < 0:
@@ -295,7 +295,8 @@ class ConFuAssistant(RoutedAssistant):
         if batched:  # B > 1 or left padding: batched.py
             return returned(generate_batch(self, target, input_ids, mask, config, budget if tree_set else None,
                                            max_new, tokenizer, streamer, contemplate_nodes, future_logit_weight,
-                                           self.suffix if use_suffix else None, parts or None, options, record),
+                                           self.suffix if use_suffix else None, parts or None, options, record,
+                                           stopping),
                             config, record)
         self.stats = SpeculativeStats(mode="static" if parts else "eager")
         temperature = (config.temperature or 1.0) if config.do_sample else None
@@ -307,7 +308,7 @@ class ConFuAssistant(RoutedAssistant):
         output = speculative_generate(
             target, drafter, self.draft.config.feature_layers, input_ids, config, max_new, self.stats,
             tokenizer, streamer, self.adapter, contemplate_nodes, parts.get("target"), future_logit_weight, processing,
-            record,
+            record, stopping,
         )
         self.stats.suffix_seconds = 0.0 if suffix is None else suffix.seconds
         return returned(output, config, record)
@@ -534,6 +535,13 @@ def wrap_generate(model: PreTrainedModel) -> None:
 
     generate._confu_wrapped = True
     model.generate = generate
+
+
+def call_arguments(kwargs: dict[str, Any]) -> tuple[Any, Any, dict[str, Any], StoppingCriteriaList | None]:
+    """Pop what a call passes beside its generation settings: `tokenizer`, `streamer`, the processor arguments
+    (`processing.CALL_OPTIONS`) and its own `stopping_criteria`."""
+    return (kwargs.pop("tokenizer", None), kwargs.pop("streamer", None), call_options(kwargs),
+            kwargs.pop("stopping_criteria", None))
 
 
 def _generation_config(target: PreTrainedModel, kwargs: dict[str, Any]) -> GenerationConfig:

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-from transformers import Cache, DynamicCache, GenerationConfig, PreTrainedModel
+from transformers import Cache, DynamicCache, GenerationConfig, PreTrainedModel, StoppingCriteriaList
 from transformers.cache_utils import StaticLayer
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
@@ -351,6 +351,7 @@ def batched_generate(
     static: StaticTarget | None = None,
     processing: list[NodeProcessing] | None = None,
     records: list[StepScores] | None = None,
+    stopping: StoppingCriteriaList | None = None,
 ) -> torch.LongTensor:
     """Generate up to `max_new_tokens` after each row of the left-padded `input_ids` (B, T); returns (B, T + new),
     rows that end early padded with `pad_token_id` (or the first EOS id) as plain batched `generate` pads them.
@@ -361,11 +362,12 @@ def batched_generate(
     holds its own); compiled (`static.keep` set), every pass keeps its shapes: finished rows stay in the batch,
     fed and keeping nothing, and the accepted paths are copied at the tree's full size. `processing`: each row's
     logits processing (default: the one `config` asks for). `records`: where each row's new tokens' scores and
-    logits go (`output_scores`, `output_logits`), one `StepScores` per row.
+    logits go (`output_scores`, `output_logits`), one `StepScores` per row. `stopping`: the call's own stopping
+    criteria (`stopping_criteria=`), beside `generate`'s, checked per row (`max_time` stops each row at its next token).
     """
     start = time.perf_counter()
     batch, prompt_len = input_ids.shape
-    criteria = stopping_criteria(config, prompt_len + max_new_tokens, tokenizer)
+    criteria = stopping_criteria(target, config, prompt_len + max_new_tokens, tokenizer, stopping)
     processing = processing or node_processing(target, config, input_ids, prompt_len + max_new_tokens, attention_mask)
     sample = processing[0].sample
     mix = adapter is not None and future_logit_weight > 0
@@ -516,8 +518,8 @@ def generate_batch(assistant, target: PreTrainedModel, input_ids: torch.LongTens
                    attention_mask: torch.Tensor | None, config: GenerationConfig, budget: TreeBudget | None,
                    max_new_tokens: int, tokenizer=None, streamer=None, contemplate_nodes: int | None = None,
                    future_logit_weight: float = 0.0, suffix: SuffixProposer | None = None,
-                   static: dict | None = None, options: dict | None = None, record: StepScores | None = None
-                   ) -> torch.LongTensor | GenerateDecoderOnlyOutput:
+                   static: dict | None = None, options: dict | None = None, record: StepScores | None = None,
+                   stopping: StoppingCriteriaList | None = None) -> torch.LongTensor | GenerateDecoderOnlyOutput:
     """`ConFuAssistant.generate` and `SuffixAssistant.generate` for a batch (or a left-padded prompt): checks the
     inputs, picks the budget (`budget` None: `batch_budget`'s choice for `assistant.budget`), then runs
     `batched_generate`, or plain `generate` where the policy says speculation does not pay. `suffix`: the proposer
@@ -525,7 +527,8 @@ def generate_batch(assistant, target: PreTrainedModel, input_ids: torch.LongTens
     no `draft`) verifies them alone. `static`: the static mode's parts for this batch (`assistant.static_parts`:
     the target's cache and calls, the chain's draft cache, one draft cache per row). `options`: the call's
     `processing.CALL_OPTIONS`. `record`: where the new tokens' scores and logits go, per step (B, V) (plain
-    `generate` returns its own dict). Sets `assistant.stats` (a `BatchStats`)."""
+    `generate` returns its own dict). `stopping`: the call's `stopping_criteria=`. Sets `assistant.stats` (a
+    `BatchStats`)."""
     batch = input_ids.shape[0]
     if streamer is not None:
         raise ValueError("A streamer supports batch size 1 only (as in transformers): generate one prompt at a time "
@@ -540,7 +543,7 @@ def generate_batch(assistant, target: PreTrainedModel, input_ids: torch.LongTens
     if budget is None:
         start = time.perf_counter()
         output = type(target).generate(target, input_ids, attention_mask=mask, generation_config=config,
-                                       tokenizer=tokenizer, **(options or {}))
+                                       tokenizer=tokenizer, stopping_criteria=stopping, **(options or {}))
         stats.mode, stats.total_seconds = "plain", time.perf_counter() - start
         sequences = output if torch.is_tensor(output) else output.sequences  # return_dict_in_generate
         stats.new_tokens = int(real_lengths(sequences[:, input_ids.shape[1]:], eos_token_ids(config)).sum())
@@ -568,7 +571,7 @@ def generate_batch(assistant, target: PreTrainedModel, input_ids: torch.LongTens
     records = None if record is None else [record.like() for _ in range(batch)]
     output = batched_generate(target, drafter, layers, input_ids, mask, config, max_new_tokens, stats, tokenizer,
                               None if draft is None else assistant.adapter, contemplate_nodes, future_logit_weight,
-                              target_parts, processing, records)
+                              target_parts, processing, records, stopping)
     if record is not None:
         record.add_rows(records, output.shape[1] - input_ids.shape[1])
     stats.suffix_seconds = sum(proposer.seconds for proposer in proposers if proposer is not None)

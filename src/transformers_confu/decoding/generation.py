@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import inspect
 import time
 from collections.abc import Callable
@@ -14,11 +15,6 @@ from transformers import (
     GenerationConfig,
     PreTrainedModel,
     StoppingCriteriaList,
-)
-from transformers.generation.stopping_criteria import (
-    EosTokenCriteria,
-    MaxLengthCriteria,
-    StopStringCriteria,
 )
 
 from ..models.contemplate import ContemplateAdapter, soft_prompt_mask
@@ -109,16 +105,18 @@ class StepScores:
             kept.extend(torch.cat([r[step] if step < len(r) else zeros for r in per_row]) for step in range(steps))
 
 
-def stopping_criteria(config: GenerationConfig, max_length: int, tokenizer=None) -> StoppingCriteriaList:
-    """The stopping criteria `generate` would use: length, EOS and stop strings."""
-    criteria = StoppingCriteriaList([MaxLengthCriteria(max_length=max_length)])
-    if config.eos_token_id is not None:
-        criteria.append(EosTokenCriteria(eos_token_id=config.eos_token_id))
-    if config.stop_strings:
-        if tokenizer is None:
-            raise ValueError("stop_strings needs the tokenizer: pass `tokenizer=tokenizer` to generate().")
-        criteria.append(StopStringCriteria(tokenizer=tokenizer, stop_strings=config.stop_strings))
-    return criteria
+def stopping_criteria(target: PreTrainedModel, config: GenerationConfig, max_length: int, tokenizer=None,
+                      custom: StoppingCriteriaList | None = None) -> StoppingCriteriaList:
+    """The stopping criteria `generate` builds for `config` with outputs up to `max_length` (transformers'
+    `_get_stopping_criteria`: length, `max_time`, stop strings, EOS) and the call's own `custom` ones
+    (`stopping_criteria=`) merged in as `generate` merges them. The loop calls them with each grown output and
+    `scores=None`, on the host copy of the output (so the EOS ids go to the CPU)."""
+    if config.stop_strings and tokenizer is None:
+        raise ValueError("stop_strings needs the tokenizer: pass `tokenizer=tokenizer` to generate().")
+    config = copy.deepcopy(config)
+    config.max_length = max_length
+    target._prepare_special_tokens(config, device="cpu")
+    return target._get_stopping_criteria(config, StoppingCriteriaList() if custom is None else custom, tokenizer)
 
 
 @dataclass
@@ -240,6 +238,7 @@ def speculative_generate(
     future_logit_weight: float = 0.0,
     processing: NodeProcessing | None = None,
     record: StepScores | None = None,
+    stopping: StoppingCriteriaList | None = None,
 ) -> torch.LongTensor:
     """Generate up to `max_new_tokens` after `input_ids` (1, T); returns (1, T + new).
 
@@ -248,6 +247,7 @@ def speculative_generate(
     (compiled) calls; the drafter holds its own. `processing`: the logits processing of the call (default: the
     one `config` asks for); with any beyond greedy's none or sampling's token-free warpers, a round also reads the
     tree on the host. `record`: where each new token's scores and logits go (`output_scores`, `output_logits`).
+    `stopping`: the call's own stopping criteria (`stopping_criteria=`), beside `generate`'s.
 
     With `adapter` (ConFu) every verify pass also carries `[con]` tokens (on all nodes, or on the
     `contemplate_nodes` likeliest ends of the accepted path); the future vector read at the last accepted
@@ -256,7 +256,7 @@ def speculative_generate(
     """
     start = time.perf_counter()
     prompt_len = input_ids.shape[1]
-    criteria = stopping_criteria(config, prompt_len + max_new_tokens, tokenizer)
+    criteria = stopping_criteria(target, config, prompt_len + max_new_tokens, tokenizer, stopping)
     processing = processing or node_processing(target, config, input_ids, prompt_len + max_new_tokens)[0]
     mix = adapter is not None and future_logit_weight > 0
     entry = adapter is not None and drafter.draft.config.has_future_entry

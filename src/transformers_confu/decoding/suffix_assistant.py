@@ -21,6 +21,7 @@ from transformers import PreTrainedModel
 from .assistant import (
     RoutedAssistant,
     _generation_config,
+    call_arguments,
     _max_new_tokens,
     checked_input_ids,
     static_parts,
@@ -32,7 +33,7 @@ from .assistant import (
 )
 from .batched import generate_batch, is_batch
 from .generation import SpeculativeStats, TreeBudget, speculative_generate
-from .processing import call_options, node_processing
+from .processing import node_processing
 from .suffix import CorpusIndex, SuffixProposer, load_proposer
 from .tree import DraftTree, suffix_tree
 from .width import checked_width, round_costs
@@ -113,7 +114,7 @@ class SuffixAssistant(RoutedAssistant):
         total = budget.total_tokens
         if total < 2:
             raise ValueError(f"tree_total_tokens={total}: a suffix tree needs at least 2 nodes.")
-        tokenizer, streamer, options = kwargs.pop("tokenizer", None), kwargs.pop("streamer", None), call_options(kwargs)
+        tokenizer, streamer, options, stopping = call_arguments(kwargs)
         config = _generation_config(target, kwargs)
         max_new = _max_new_tokens(config, input_ids.shape[1], budget, target)
         input_ids, mask = sequence_copies(input_ids, mask, config)
@@ -127,14 +128,14 @@ class SuffixAssistant(RoutedAssistant):
             return returned(generate_batch(self, target, input_ids, mask, config, budget if tree_set else None,
                                            max_new, tokenizer, streamer, suffix=self.proposer,
                                            static=None if static is None else self._static, options=options,
-                                           record=record), config, record)
+                                           record=record, stopping=stopping), config, record)
         self.stats = SpeculativeStats(mode="eager" if static is None else "static")
         layers = [target.config.num_hidden_layers]  # the loop reads features; nothing uses them here
         costs = None if static is not None else round_costs(self, target, total)
         processing = node_processing(target, config, input_ids, input_ids.shape[1] + max_new, **options)[0]
         output = speculative_generate(target, SuffixDrafter(self.proposer, total, static is not None, costs), layers,
                                       input_ids, config, max_new, self.stats, tokenizer, streamer, static=static,
-                                      processing=processing, record=record)
+                                      processing=processing, record=record, stopping=stopping)
         self.stats.suffix_seconds = self.proposer.seconds
         return returned(output, config, record)
 
