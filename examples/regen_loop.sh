@@ -5,7 +5,8 @@
 #     nohup bash examples/regen_loop.sh &
 # On a fresh machine the pool is built first from PROMPTS and TRAIN (the `followup` kind from the dataset's
 # answers; `second_turn` and `third_turn`, a next request after each finished first or second answer, again at
-# each start as the dataset grows; `fourth_turn` after the third answers with MAX_TURNS=4, `fifth_turn` after the fourth with MAX_TURNS=5). Prompts the answers dataset (DATASET) already answers are skipped, never answered twice.
+# each start as the dataset grows; `fourth_turn` after the third answers with MAX_TURNS=4, `fifth_turn` after the
+# fourth with MAX_TURNS=5). Prompts the answers dataset (DATASET) already answers are skipped, never answered twice.
 # Rows are refilled as answers end (continuous batching); a piece stops starting prompts after MINUTES.
 # On an idle 2-core machine use THREADS=2: 64 rows ran 80 answer tokens/s there (results/regen_throughput_2threads.md);
 # or two loops of THREADS=1, each with its own ANSWERS folder, on disjoint KINDS or on disjoint parts of the same

@@ -11,7 +11,8 @@ import json
 
 RESULTS = "results/"
 RUNS = {  # name: (answers of the always-drafting run, cost of one of its rounds in plain steps)
-    "no processor, d2k2n4": ("shipped_v21_avx2_answers/confu-saved_smollm2-135m-instruct-confu_d2k2n4.jsonl", 1.77 / 1.19),
+    "no processor, d2k2n4": (
+        "shipped_v21_avx2_answers/confu-saved_smollm2-135m-instruct-confu_d2k2n4.jsonl", 1.77 / 1.19),
     "no processor, hybrid d2k2n6s4": (
         "shipped_v21_avx2_answers/confu-saved-hybrid_smollm2-135m-instruct-confu_d2k2n6s4.jsonl", 2.28 / 1.35),
     "repetition_penalty=1.2, d2k2n4": (

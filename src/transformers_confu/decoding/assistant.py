@@ -73,9 +73,9 @@ class RoutedAssistant:
         target = self.__dict__.get("target")
         raise AttributeError(
             f"{type(self).__name__!r} has no attribute {name!r}. If this came from `model.generate(..., "
-            f"assistant_model=)` or a pipeline: this assistant drafts for {_describe(target)}, and the model you called "
-            f"is not prepared for it. Build one for the model you call, {self.build}, and create it BEFORE evaluating "
-            "`model.generate` (creating it prepares the model's generate())."
+            f"assistant_model=)` or a pipeline: this assistant drafts for {_describe(target)}, and the model you "
+            f"called is not prepared for it. Build one for the model you call, {self.build}, and create it BEFORE "
+            "evaluating `model.generate` (creating it prepares the model's generate())."
         )
 
 
@@ -91,6 +91,7 @@ class ConFuAssistant(RoutedAssistant):
             `tree_top_k=` (None: `budget.top_k`); `from_pretrained` takes it from the hybrid budget saved with a
             suffix corpus, where one is saved.
         stats: `SpeculativeStats` of the last `generate` call.
+        config: the target's config (`RoutedAssistant`: what a pipeline checks); the draft's is `draft.config`.
         adapter: ConFu's `ContemplateAdapter` for the target (drafts with `contemplate=True`), else None.
         contemplate_nodes: ConFu: how many tree nodes get a `[con]` (None: all, 0: none, i.e. the draft without
             its future token); a call can override it with `contemplate_nodes=`. Unless it is set here or in the

@@ -28,7 +28,8 @@ training files of `../shared/data/train/`; see that folder's README) and yields 
 - followup: OpenAssistant conversations whose later user turn follows the target's own earlier answer
   (`followups`: built from an answers dataset once the openers are answered);
 - second_turn, third_turn (fourth_turn with `--max-turns 4`, fifth_turn with 5): every finished first- (second-,
-  ...) turn answer of an answers dataset with a user's next request after it, in wordings fit to the first request's kind
+  ...) turn answer of an answers dataset with a user's next request after it, in wordings fit to the first
+  request's kind
   (`next_turns`: the pool grows with the dataset).
 
 Requests that share a 13-word span with the benchmark's dev questions are left out (`exclude`), and no
