@@ -10,6 +10,7 @@ from transformers import (
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen2ForCausalLM,
+    StoppingCriteria,
 )
 
 ARCHS = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}
@@ -26,6 +27,16 @@ def tiny_target(arch: str = "llama", vocab_size: int = 128, seed: int = 0, init:
         bos_token_id=None, eos_token_id=None, pad_token_id=None, tie_word_embeddings=tie_word_embeddings,
     ) | overrides)
     return model_cls(config).eval().requires_grad_(False)
+
+
+class LastTokenIs(StoppingCriteria):
+    """A call's own stopping criterion (`stopping_criteria=`): done where a row's last token is `token`."""
+
+    def __init__(self, token: int) -> None:
+        self.token = token
+
+    def __call__(self, input_ids: torch.LongTensor, scores, **kwargs) -> torch.BoolTensor:
+        return input_ids[:, -1] == self.token
 
 
 def tiny_tokenizer(vocab_size: int = 128) -> PreTrainedTokenizerFast:

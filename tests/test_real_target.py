@@ -6,7 +6,8 @@ import json
 
 import pytest
 import torch
-from transformers import StoppingCriteria, StoppingCriteriaList, pipeline
+from conftest import LastTokenIs
+from transformers import StoppingCriteriaList, pipeline
 
 from transformers_confu import ConFuAssistant, ConFuDraftConfig, SuffixAssistant, load_target
 from transformers_confu.benchmark.batch_bench import left_padded
@@ -98,8 +99,7 @@ def test_real_target_own_stopping_criteria_and_max_time_as_plain_generate(real):
     model, tokenizer, assistant = real
     ids = chat_input_ids(tokenizer, ["Describe the moon in three sentences."])
     stop = tokenizer.convert_tokens_to_ids(".")
-    criteria = StoppingCriteriaList([type("FullStop", (StoppingCriteria,), {
-        "__call__": lambda self, input_ids, scores, **kwargs: input_ids[:, -1] == stop})()])
+    criteria = StoppingCriteriaList([LastTokenIs(stop)])
     ends = {}
     for name, case in (("criteria", dict(stopping_criteria=criteria)), ("time", dict(max_time=0.0))):
         ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=64, do_sample=False, **case)

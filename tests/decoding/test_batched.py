@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import tiny_target, tiny_tokenizer
+from conftest import LastTokenIs, tiny_target, tiny_tokenizer
 from test_generation import make_assistant
 from test_sampling import SAMPLES, TEMPERATURE, TOP_K, exact_distribution, p_value
-from test_suffix import LastTokenIs
 from transformers import GenerationConfig, StoppingCriteriaList
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import tiny_target, tiny_tokenizer
+from conftest import LastTokenIs, tiny_target, tiny_tokenizer
 from test_generation import make_assistant, mode_kwargs, plain
 from test_sampling import compiled_static, exact_distribution, p_value, sampled_counts
-from transformers import StoppingCriteria, StoppingCriteriaList
+from transformers import StoppingCriteriaList
 
 import transformers_confu.decoding.verify as verify
 from transformers_confu import ConFuAssistant, ConFuDraftConfig, SuffixAssistant
@@ -71,16 +71,6 @@ def test_corpus_of_own_answers_gives_long_accepted_blocks(arch, mode):
         out = target.generate(ids, max_new_tokens=40, do_sample=False, assistant_model=assistant, **mode_kwargs(mode))
         assert torch.equal(out, plain(target, ids, max_new_tokens=40))
         assert assistant.stats.mean_accepted_tokens > 3 and assistant.stats.suffix_seconds > 0
-
-
-class LastTokenIs(StoppingCriteria):
-    """A call's own stopping criterion: done where a row's last token is `token`."""
-
-    def __init__(self, token: int) -> None:
-        self.token = token
-
-    def __call__(self, input_ids: torch.LongTensor, scores, **kwargs) -> torch.BoolTensor:
-        return input_ids[:, -1] == self.token
 
 
 @pytest.mark.parametrize("kind", ["suffix", "hybrid"])

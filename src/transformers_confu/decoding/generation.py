@@ -110,9 +110,8 @@ def stopping_criteria(target: PreTrainedModel, config: GenerationConfig, max_len
     """The stopping criteria `generate` builds for `config` with outputs up to `max_length` (transformers'
     `_get_stopping_criteria`: length, `max_time`, stop strings, EOS) and the call's own `custom` ones
     (`stopping_criteria=`) merged in as `generate` merges them. The loop calls them with each grown output and
-    `scores=None`, on the host copy of the output (so the EOS ids go to the CPU)."""
-    if config.stop_strings and tokenizer is None:
-        raise ValueError("stop_strings needs the tokenizer: pass `tokenizer=tokenizer` to generate().")
+    `scores=None`, on the host copy of the output (so the EOS ids go to the CPU). Stop strings without `tokenizer`
+    raise transformers' own error."""
     config = copy.deepcopy(config)
     config.max_length = max_length
     target._prepare_special_tokens(config, device="cpu")
