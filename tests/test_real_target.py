@@ -78,13 +78,14 @@ def test_real_target_scores_and_logits_as_plain_generate(real):
 
 def test_real_target_return_sequences_as_plain_generate(real):
     """`num_return_sequences=2` with top_k=1 (every draw the argmax): both copies and their scores are plain
-    generate's (a batch of 2: the policy's chain on a CPU)."""
+    generate's (a batch of 2 drafting a depth-1 chain: sampled batches run plain generate by default on a CPU)."""
     model, tokenizer, assistant = real
     ids = chat_input_ids(tokenizer, ["Name a fruit."])
     kwargs = dict(max_new_tokens=24, do_sample=True, top_k=1, num_return_sequences=2, return_dict_in_generate=True,
                   output_scores=True)
     ref = model.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
-    out = model.generate(ids, assistant_model=assistant, **kwargs)
+    out = model.generate(ids, assistant_model=assistant, tree_depth=1, tree_top_k=1, tree_total_tokens=2, **kwargs)
+    assert assistant.stats.mode == "eager"
     assert out.sequences.shape[0] == 2 and torch.equal(out.sequences, ref.sequences)
     ends = [int((row == tokenizer.eos_token_id).nonzero()[0]) + 1 if (row == tokenizer.eos_token_id).any()
             else len(row) for row in out.sequences[:, ids.shape[1]:]]

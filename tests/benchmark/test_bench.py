@@ -37,7 +37,7 @@ def save_target_and_draft(tmp_path):
 
 def test_bench_end_to_end_writes_spec_bench_answers_tables_and_plots(tmp_path):
     save_target_and_draft(tmp_path)
-    out = tmp_path / "res" / "bench"
+    out = tmp_path / "res" / "bench_t0.7"  # a prefix with a dot in it: kept whole
     summary = main(["--target", str(tmp_path / "target"), "--drafts", str(tmp_path / "draft"), "--questions",
                     str(write_questions(tmp_path / "q.jsonl")), "--max-new-tokens", "12", "--trees", "3,2,5;2,1,3",
                     "--prompt-lookup", "3", "--auto-tree", "--auto-candidates", "1,1,2;2,1,3", "--auto-questions", "2",
@@ -51,7 +51,7 @@ def test_bench_end_to_end_writes_spec_bench_answers_tables_and_plots(tmp_path):
     for name in methods:
         cell = summary["table"][name]["overall"]
         assert set(cell) >= {"tau", "tokens_per_s", "speedup", "identical"} and cell["identical"] is True
-        rows = [json.loads(line) for line in (tmp_path / "res" / "bench_answers" / f"{name.replace(':', '_')}.jsonl")
+        rows = [json.loads(line) for line in (tmp_path / "res" / "bench_t0.7_answers" / f"{name.replace(':', '_')}.jsonl")
                 .read_text().splitlines()]
         assert len(rows) == 4
         choice = rows[1]["choices"][0]
@@ -60,7 +60,10 @@ def test_bench_end_to_end_writes_spec_bench_answers_tables_and_plots(tmp_path):
         assert all(1 <= a for a in choice["accept_lengths"])
     assert summary["table"]["generate"]["overall"]["speedup"] == 1.0
     assert set(summary["table"]["generate"]) == {"qa", "math", "overall"}
-    assert (out.with_suffix(".png")).stat().st_size > 1000 and "| method |" in out.with_suffix(".md").read_text()
+    written = {path.name for path in (tmp_path / "res").iterdir()}
+    assert written == {"bench_t0.7.json", "bench_t0.7.md", "bench_t0.7.png", "bench_t0.7_answers"}
+    assert (tmp_path / "res" / "bench_t0.7.png").stat().st_size > 1000
+    assert "| method |" in (tmp_path / "res" / "bench_t0.7.md").read_text()
 
 
 def test_equality_check_catches_a_lossy_method(tmp_path):

@@ -265,8 +265,11 @@ def test_auto_budget_policy_and_plain_fallback():
     saved = TreeBudget(depth=3, top_k=2, total_tokens=6)
     assert batch_budget(saved, 1) == saved
     assert batch_budget(saved, 2) == TreeBudget(depth=1, top_k=1, total_tokens=2)  # this CPU: a short chain
+    assert batch_budget(saved, 2, sample=True) is None  # sampling: plain generate from batch 2
+    assert batch_budget(saved, 1, sample=True) == saved
     assert batch_budget(saved, 4) is None  # then plain generate
     assert batch_budget(saved, 16, "cuda") == TreeBudget(depth=3, top_k=1, total_tokens=4)
+    assert batch_budget(saved, 16, "cuda", sample=True) == TreeBudget(depth=3, top_k=1, total_tokens=4)
     assert batch_budget(saved, 64, "cuda") is None
     target = tiny_target()
     assistant = make_assistant(target)
@@ -278,6 +281,12 @@ def test_auto_budget_policy_and_plain_fallback():
     assert torch.equal(out, ref) and assistant.stats.mode == "eager"
     out = plain(target, ids[:2], mask[:2], max_new_tokens=6, assistant_model=assistant)  # batch 2: a chain
     assert torch.equal(out, plain(target, ids[:2], mask[:2], max_new_tokens=6)) and assistant.stats.mode == "eager"
+    sampled = dict(attention_mask=mask[:2], max_new_tokens=6, do_sample=True, temperature=0.7, pad_token_id=0)
+    torch.manual_seed(3)
+    ref = target.generate(ids[:2], **sampled)
+    torch.manual_seed(3)  # sampled at batch 2: plain generate itself, so the same draws
+    out = target.generate(ids[:2], assistant_model=assistant, **sampled)
+    assert torch.equal(out, ref) and assistant.stats.mode == "plain"
 
 
 def test_return_dict_in_generate_holds_the_sequences():

@@ -325,7 +325,7 @@ def plot(table: dict, records: dict, out: Path) -> None:
         ax.set_xticks(range(len(categories)), categories, rotation=45, ha="right")
     axes[0].axhline(1.0, color="gray", linestyle="--")
     fig.tight_layout()
-    fig.savefig(out.with_suffix(".png"), dpi=100)
+    fig.savefig(out.with_name(out.name + ".png"), dpi=100)
     plt.close(fig)
 
 
@@ -432,7 +432,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "bfloat16 products), float32, bfloat16, float16")
     p.add_argument("--kernels", choices=["onednn", "mkl"], default="onednn",
                    help="CPU linear layers: onednn (packed weights, what load_target gives) or mkl (plain F.linear)")
-    p.add_argument("--out", default="results/bench", help="output path prefix (.md, .json, .png, answers/)")
+    p.add_argument("--out", default="results/bench", help="output path prefix: <out>.md, <out>.json, <out>.png, <out>_answers/ (a dot in it stays, e.g. run_t0.7)")
     args = p.parse_args(argv)
     # checked before anything loads: a typo must not cost the target's loading or a calibration
     trees, hybrid_trees = _budgets(args.trees), _budgets(args.hybrid_trees)
@@ -536,7 +536,7 @@ def _main(args: argparse.Namespace, argv) -> dict:
     quality = None if greedy else quality_check(records, questions)
     summary = dict(meta=meta, table=table, mismatches=mismatches, auto_tree=calibration, quality=quality,
                    warmup_seconds=warmup)
-    out.with_suffix(".json").write_text(json.dumps(summary, indent=2))
+    out.with_name(out.name + ".json").write_text(json.dumps(summary, indent=2))
     text = markdown(table, meta) + (quality_markdown(quality) if quality else "")
     for name, cal in calibration.items():
         text += (f"\n## --auto-tree calibration for {name}\n\nchosen {budget_name(cal['chosen'])}; tokens/s per candidate: " +
@@ -544,7 +544,7 @@ def _main(args: argparse.Namespace, argv) -> dict:
     if mismatches:
         text += "\n## Mismatches against plain generate\n\n" + "\n".join(
             f"- {name}: {m}" for name, ms in mismatches.items() for m in ms) + "\n"
-    out.with_suffix(".md").write_text(text)
+    out.with_name(out.name + ".md").write_text(text)
     plot(table, records, out)
     print(text)
     return summary

@@ -56,6 +56,10 @@ class BatchStats(SpeculativeStats):
 # other devices: not measured here, the literature's figure (SGLang's EAGLE-3 chains still pay at batch 32 on a GPU).
 CHAINS = {"cpu": (2, 1)}
 CHAINS_ELSEWHERE = (32, None)
+# When sampling: the CPU's batch-2 chain did not pay (results/batched_sampling_policy.md: 0.95-0.96x of plain batched
+# `generate` with the shipped default, 1.01x for the draft's chain; greedy 1.14-1.17x in the same session), so sampled
+# batches run plain there; other devices: as `CHAINS`.
+SAMPLED_CHAINS = {"cpu": (1, 1)}
 # Draft-free suffix trees (SuffixAssistant), per device type: the largest batch that speculates (their width stays).
 # CPU: measured (results/batched_suffix_policy.md): at batches 2 and 4, trees of 4 and 8 nodes, with and without the
 # corpus, came out at 0.62-0.96x of plain batched `generate`, so batches run plain; other devices: as `CHAINS`.
@@ -63,17 +67,17 @@ SUFFIX_BATCHES = {"cpu": 1}
 SUFFIX_BATCHES_ELSEWHERE = 32
 
 
-def batch_budget(budget: TreeBudget, batch_size: int, device_type: str = "cpu", drafted: bool = True
-                 ) -> TreeBudget | None:
+def batch_budget(budget: TreeBudget, batch_size: int, device_type: str = "cpu", drafted: bool = True,
+                 sample: bool = False) -> TreeBudget | None:
     """The `auto` budget for a batch: `budget` at batch 1; above it a chain (a tree's verify pass is B x nodes
-    wide, and its draft runs row by row) up to the device's largest batch in `CHAINS`; None (plain `generate`)
-    beyond, where speculation stops paying. Draft-free trees (not `drafted`) keep `budget` up to the device's
-    largest batch in `SUFFIX_BATCHES`."""
+    wide, and its draft runs row by row) up to the device's largest batch in `CHAINS` (`SAMPLED_CHAINS` when
+    `sample`); None (plain `generate`) beyond, where speculation stops paying. Draft-free trees (not `drafted`) keep
+    `budget` up to the device's largest batch in `SUFFIX_BATCHES`."""
     if batch_size == 1:
         return budget
     if not drafted:
         return budget if batch_size <= SUFFIX_BATCHES.get(device_type, SUFFIX_BATCHES_ELSEWHERE) else None
-    largest, depth = CHAINS.get(device_type, CHAINS_ELSEWHERE)
+    largest, depth = (SAMPLED_CHAINS if sample else CHAINS).get(device_type, CHAINS_ELSEWHERE)
     if batch_size > largest:
         return None
     depth = budget.depth if depth is None else min(depth, budget.depth)
@@ -539,7 +543,8 @@ def generate_batch(assistant, target: PreTrainedModel, input_ids: torch.LongTens
     mask = _left_padding_mask(input_ids, attention_mask, config)
     stats = assistant.stats = BatchStats()
     draft = getattr(assistant, "draft", None)  # None: SuffixAssistant
-    budget = batch_budget(assistant.budget, batch, target.device.type, draft is not None) if budget is None else budget
+    if budget is None:
+        budget = batch_budget(assistant.budget, batch, target.device.type, draft is not None, bool(config.do_sample))
     if budget is None:
         start = time.perf_counter()
         output = type(target).generate(target, input_ids, attention_mask=mask, generation_config=config,
