@@ -11,6 +11,7 @@ from test_batched import left_padded
 from test_generation import make_assistant, mode, mode_kwargs, plain  # noqa: F401 (mode: a fixture)
 from test_processing import SCORES, assert_same_steps, oracle_run
 from test_suffix import hybrid_assistant, oracle_corpus, suffix_assistant
+from transformers import StoppingCriteria, StoppingCriteriaList
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper
 
 from transformers_confu import SuffixAssistant
@@ -132,3 +133,88 @@ def test_returned_sequences_each_get_their_scores():
     out = target.generate(ids, assistant_model=assistant, tree_depth=2, tree_top_k=2, tree_total_tokens=5, **kwargs)
     assert assistant.stats.mode == "eager" and out.sequences.shape[0] == 2
     assert_same_steps(out, ref, ids.shape[1])
+
+
+
+class RecordScores(StoppingCriteria):
+    """A call's own criterion that never stops and keeps what it is called with: None, or the number of recorded
+    steps and the last one."""
+
+    def __init__(self) -> None:
+        self.seen: list = []
+
+    def __call__(self, input_ids: torch.LongTensor, scores, **kwargs) -> torch.BoolTensor:
+        self.seen.append(None if scores is None else (len(scores), scores[-1].clone()))
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+
+class LastTopScoreAtMost(StoppingCriteria):
+    """Done where a row's best score at its last step is at most `threshold` (a criterion that reads the scores)."""
+
+    def __init__(self, threshold: float) -> None:
+        self.threshold = threshold
+
+    def __call__(self, input_ids: torch.LongTensor, scores, **kwargs) -> torch.BoolTensor:
+        return scores[-1].amax(-1) <= self.threshold
+
+
+@pytest.mark.parametrize("kind", ["suffix", "hybrid"])
+def test_own_stopping_criteria_get_the_scores_generate_passes(kind, mode):
+    """`stopping_criteria=` gets what plain generate passes it: None, or with `output_scores` (and a dict) the scores
+    recorded up to each new token, also inside long accepted blocks; a criterion that stops on them stops where plain
+    generate's does."""
+    target = tiny_target()
+    prompts = [torch.randint(0, 128, (1, 6), generator=torch.Generator().manual_seed(s)) for s in range(3)]
+    settings = dict(suppress_tokens=[1, 2])  # processed scores differ from the logits
+    corpus = oracle_corpus(target, prompts, **settings)
+    assistant = (suffix_assistant(target, corpus, total_tokens=8) if kind == "suffix"
+                 else hybrid_assistant(target, corpus, depth=2, top_k=1, total_tokens=8))
+    for ids in prompts:
+        for output in ({}, SCORES):
+            theirs, ours = RecordScores(), RecordScores()
+            ref = plain(target, ids, max_new_tokens=40, stopping_criteria=StoppingCriteriaList([theirs]), **settings,
+                        **output)
+            out = target.generate(ids, max_new_tokens=40, do_sample=False, assistant_model=assistant, **settings,
+                                  stopping_criteria=StoppingCriteriaList([ours]), **output, **mode_kwargs(mode))
+            assert assistant.stats.mean_accepted_tokens > 3
+            assert len(ours.seen) == len(theirs.seen) == 40
+            if not output:
+                assert torch.equal(out, ref) and ours.seen == theirs.seen == [None] * 40
+                continue
+            assert_same_steps(out, ref, ids.shape[1])
+            for step, (a, b) in enumerate(zip(ours.seen, theirs.seen)):
+                assert a[0] == b[0] == step + 1 and a[1].shape == b[1].shape == (1, 128)
+                torch.testing.assert_close(a[1], b[1], atol=1e-4, rtol=1e-4)
+        tops = sorted(float(b[1].amax()) for b in theirs.seen[:30])
+        first = [float(b[1].amax()) for b in theirs.seen].index(tops[0])  # where the criterion below first fires
+        stop = StoppingCriteriaList([LastTopScoreAtMost((tops[0] + tops[1]) / 2)])  # clear of a tree pass's error
+        ref = plain(target, ids, max_new_tokens=40, stopping_criteria=stop, **settings, **SCORES)
+        out = target.generate(ids, max_new_tokens=40, do_sample=False, assistant_model=assistant, **settings,
+                              stopping_criteria=stop, **SCORES, **mode_kwargs(mode))
+        assert_same_steps(out, ref, ids.shape[1])
+        assert out.sequences.shape[1] == ids.shape[1] + first + 1
+
+
+@pytest.mark.parametrize("eos", [None, 126], ids=["no-eos", "eos"])
+def test_batched_own_stopping_criteria_read_each_rows_scores(eos):
+    """In a batch the call's criterion gets each row's output and recorded (1, V) scores; a criterion on them stops
+    each row where plain batched generate stops it (padded after with an EOS id, decoding on without one)."""
+    target = tiny_target()
+    ids, mask = left_padded(2, [4, 7, 5])
+    prompts = [row[keep.bool()][None] for row, keep in zip(ids, mask)]
+    assistant = hybrid_assistant(target, oracle_corpus(target, prompts, 40))
+    kwargs = dict(attention_mask=mask, max_new_tokens=40, do_sample=False, pad_token_id=0, eos_token_id=eos, **SCORES)
+    free = target.generate(ids, **kwargs)
+    tops = torch.stack(free.scores[:16]).amax(-1)  # (16, B): each row's best score per step
+    reached = float(tops.min(0).values.max())  # every row reaches it within its first 16 tokens
+    threshold = (reached + float(tops[tops > reached].min())) / 2  # clear of a tree pass's float error
+    ends = (tops <= threshold).int().argmax(0) + 1  # each row's tokens up to the step where the criterion fires
+    ref = target.generate(ids, **kwargs, stopping_criteria=StoppingCriteriaList([LastTopScoreAtMost(threshold)]))
+    assert ref.sequences.shape[1] < free.sequences.shape[1]
+    out = target.generate(ids, **kwargs, stopping_criteria=StoppingCriteriaList([LastTopScoreAtMost(threshold)]),
+                          assistant_model=assistant, tree_depth=2, tree_top_k=1, tree_total_tokens=8)
+    assert assistant.stats.mode == "eager" and assistant.stats.mean_accepted_tokens > 2
+    assert torch.equal(out.sequences, ref.sequences)
+    for row, end in enumerate(ends.tolist()):  # after its stop a row's scores are padding's (plain) or zeros (ours)
+        for ours, theirs in zip(out.scores[:end], ref.scores[:end]):
+            torch.testing.assert_close(ours[row], theirs[row], atol=1e-4, rtol=1e-4)

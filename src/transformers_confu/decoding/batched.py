@@ -367,7 +367,8 @@ def batched_generate(
     fed and keeping nothing, and the accepted paths are copied at the tree's full size. `processing`: each row's
     logits processing (default: the one `config` asks for). `records`: where each row's new tokens' scores and
     logits go (`output_scores`, `output_logits`), one `StepScores` per row. `stopping`: the call's own stopping
-    criteria (`stopping_criteria=`), beside `generate`'s, checked per row (`max_time` stops each row at its next token).
+    criteria (`stopping_criteria=`), beside `generate`'s, checked per row with its output and its recorded scores
+    (`max_time` stops each row at its next token).
     """
     start = time.perf_counter()
     batch, prompt_len = input_ids.shape
@@ -400,8 +401,9 @@ def batched_generate(
     next_ids = feats = counts = None
     while True:
         before = [outputs[row].shape[1] for row in rows]
+        seen = None if records is None or records[0].scores is None else [records[row].scores for row in rows]
         keep = _advance(rows, accepted, outputs, ends, criteria, config.eos_token_id is not None,
-                        prompt_len + max_new_tokens)
+                        prompt_len + max_new_tokens, seen, None if seen is None else [p[0] for p in picked])
         if records is not None:  # the tokens each row kept were picked at the first nodes of its path
             for i, row in enumerate(rows):
                 kept = outputs[row].shape[1] - before[i]
@@ -487,15 +489,19 @@ def batched_generate(
 
 
 def _advance(rows: list[int], accepted: list[list[int]], outputs: list[torch.Tensor], ends: dict[int, int],
-             criteria, pads_after_end: bool, max_length: int) -> list[int]:
+             criteria, pads_after_end: bool, max_length: int, seen: list[list[torch.Tensor]] | None = None,
+             scores: list[torch.Tensor] | None = None) -> list[int]:
     """Append each active row's accepted tokens; return the active rows (indices into `rows`) still to decode.
+    `seen` and `scores`: each active row's recorded scores and those of its accepted tokens, for the criteria
+    (`_append`).
 
     A row whose stopping criteria fire is done: with an EOS criterion (`pads_after_end`) plain `generate` pads
     it from there, so it leaves the batch; without one plain `generate` keeps decoding it until every row is
     done, so it stays until the batch's end is known and reached."""
-    for row, tokens in zip(rows, accepted):
+    for i, (row, tokens) in enumerate(zip(rows, accepted)):
         if row not in ends:
-            grown, stopped = _append(outputs[row], tokens, criteria, None)
+            grown, stopped = _append(outputs[row], tokens, criteria, None, *((None, None) if seen is None else
+                                                                              (seen[i], scores[i])))
             tokens, outputs[row] = tokens[grown.shape[1] - outputs[row].shape[1]:], grown  # what follows a stop
             if stopped:
                 ends[row] = grown.shape[1]

@@ -109,9 +109,10 @@ def stopping_criteria(target: PreTrainedModel, config: GenerationConfig, max_len
                       custom: StoppingCriteriaList | None = None) -> StoppingCriteriaList:
     """The stopping criteria `generate` builds for `config` with outputs up to `max_length` (transformers'
     `_get_stopping_criteria`: length, `max_time`, stop strings, EOS) and the call's own `custom` ones
-    (`stopping_criteria=`) merged in as `generate` merges them. The loop calls them with each grown output and
-    `scores=None`, on the host copy of the output (so the EOS ids go to the CPU). Stop strings without `tokenizer`
-    raise transformers' own error."""
+    (`stopping_criteria=`) merged in as `generate` merges them. The loop calls them with each grown output, on the
+    host copy of the output (so the EOS ids go to the CPU), and with the scores `generate` passes: the tuple of the
+    scores recorded so far where the call records them (`output_scores` with `return_dict_in_generate`), else None.
+    Stop strings without `tokenizer` raise transformers' own error."""
     config = copy.deepcopy(config)
     config.max_length = max_length
     target._prepare_special_tokens(config, device="cpu")
@@ -205,14 +206,17 @@ class _Target:
         return logits[:n], features[:, :n], features[0, n:], logits[n:] if self.con_logits else None
 
 
-def _append(output, tokens, criteria, streamer) -> tuple[torch.LongTensor, bool]:
+def _append(output, tokens, criteria, streamer, seen: list[torch.Tensor] | None = None,
+            scores: torch.Tensor | None = None) -> tuple[torch.LongTensor, bool]:
     """Append `tokens` one at a time to the host copy of the output, stopping where `generate`'s stopping
-    criteria would (on the host: no device sync per token)."""
+    criteria would (on the host: no device sync per token). `seen`: the scores recorded for the earlier new tokens
+    (`output_scores`), with `scores` (len(tokens), V) this call's: the criteria get those up to each token as a
+    tuple, as `generate` passes its recorded scores (None without `seen`)."""
     stopped, kept = False, 0
     for token in tokens:
         output = torch.cat([output, output.new_tensor([[token]])], dim=1)
         kept += 1
-        stopped = bool(criteria(output, None).any())
+        stopped = bool(criteria(output, None if seen is None else (*seen, *scores[:kept].split(1))).any())
         if stopped:
             break
     if streamer is not None:
@@ -269,7 +273,8 @@ def speculative_generate(
     stats.verify_seconds += time.perf_counter() - t0
     output = input_ids.cpu()
     root, first = processing.pick(logits[-1], output)
-    output, stopped = _append(output, [int(root)], criteria, streamer)
+    seen = None if record is None else record.scores  # what the criteria get with each token, as in `generate`
+    output, stopped = _append(output, [int(root)], criteria, streamer, seen, first)
     if record is not None:
         record.add(first, logits[-1:])
     next_ids = torch.cat([input_ids[:, 1:], root.view(1, 1)], dim=1)
@@ -324,8 +329,9 @@ def speculative_generate(
         stats.accept_lengths.append(n)
         stats.tree_sizes.append(len(tree))
         before = output.shape[1]
-        output, stopped = _append(output, accepted, criteria, streamer)
-        if record is not None:  # the k-th new token was picked at the k-th node of the path
+        # the k-th new token was picked at the k-th node of the path
+        output, stopped = _append(output, accepted, criteria, streamer, seen, None if seen is None else scores[path])
+        if record is not None:
             nodes = path[: output.shape[1] - before]
             record.add(scores[nodes], logits[nodes])
         feats, state = features[:, path], features[0, last[0]]
