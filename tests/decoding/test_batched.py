@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 from conftest import LastTokenIs, tiny_target, tiny_tokenizer
@@ -287,6 +289,36 @@ def test_auto_budget_policy_and_plain_fallback():
     torch.manual_seed(3)  # sampled at batch 2: plain generate itself, so the same draws
     out = target.generate(ids[:2], assistant_model=assistant, **sampled)
     assert torch.equal(out, ref) and assistant.stats.mode == "plain"
+
+
+class Messages(logging.Handler):
+    """Collects what transformers logs (its loggers do not propagate to pytest's)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+@pytest.mark.parametrize("length", [dict(max_new_tokens=6), dict(max_length=14)], ids=["max_new_tokens", "max_length"])
+def test_plain_fallback_has_plain_generates_length_and_no_extra_warning(length):
+    """Where the policy leaves a batch to plain generate, the call's length is kept and transformers does not warn
+    that both `max_new_tokens` and `max_length` were set (the merged config's default `max_length`)."""
+    target = tiny_target()
+    assistant = make_assistant(target)
+    ids, mask = left_padded(5, [3, 6, 2, 5])
+    handler = Messages()
+    logging.getLogger("transformers").addHandler(handler)
+    try:
+        ref = plain(target, ids, mask, **length)
+        before = list(handler.messages)
+        out = plain(target, ids, mask, assistant_model=assistant, **length)
+    finally:
+        logging.getLogger("transformers").removeHandler(handler)
+    assert assistant.stats.mode == "plain" and torch.equal(out, ref)
+    assert handler.messages[len(before):] == before  # what plain generate logs, nothing more
 
 
 def test_return_dict_in_generate_holds_the_sequences():

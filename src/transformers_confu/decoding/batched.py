@@ -10,6 +10,7 @@ padded as plain batched `generate` pads it (`pad_token_id` after a row's end).
 
 from __future__ import annotations
 
+import copy
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -553,6 +554,10 @@ def generate_batch(assistant, target: PreTrainedModel, input_ids: torch.LongTens
         budget = batch_budget(assistant.budget, batch, target.device.type, draft is not None, bool(config.do_sample))
     if budget is None:
         start = time.perf_counter()
+        # the length as `max_new_tokens` alone, as a call that gives only it reaches plain `generate` (no warning that
+        # the merged config's default `max_length` is set too)
+        config = copy.deepcopy(config)
+        config.max_length, config.max_new_tokens = None, max_new_tokens
         output = type(target).generate(target, input_ids, attention_mask=mask, generation_config=config,
                                        tokenizer=tokenizer, stopping_criteria=stopping, **(options or {}))
         stats.mode, stats.total_seconds = "plain", time.perf_counter() - start
