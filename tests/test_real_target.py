@@ -62,18 +62,24 @@ def test_real_target_greedy_identity(real, prompt, cache_implementation):
     assert stats.new_tokens == ref.shape[1] - ids.shape[1] and stats.target_forwards == len(stats.accept_lengths)
 
 
-def test_real_target_scores_and_logits_as_plain_generate(real):
-    """`output_scores` / `output_logits`: per new token what plain `generate` returns, to the float error of a
-    tree pass (also under a repetition penalty, which changes the scores)."""
+def test_real_target_scores_logits_and_hidden_states_as_plain_generate(real):
+    """`output_scores` / `output_logits` / `output_hidden_states`: per new token what plain `generate` returns, to
+    the float error of a tree pass (also under a repetition penalty, which changes the scores)."""
     model, tokenizer, assistant = real
     ids = chat_input_ids(tokenizer, ["List three colors of the rainbow, one per line."])
-    both = dict(return_dict_in_generate=True, output_scores=True, output_logits=True, repetition_penalty=1.1)
+    both = dict(return_dict_in_generate=True, output_scores=True, output_logits=True, output_hidden_states=True,
+                repetition_penalty=1.1)
     ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False, **both)
     out = model.generate(ids, max_new_tokens=32, do_sample=False, assistant_model=assistant, **both)
     assert torch.equal(out.sequences, ref.sequences)
     assert len(out.scores) == len(out.logits) == ref.sequences.shape[1] - ids.shape[1]
     for ours, theirs in zip(out.scores + out.logits, ref.scores + ref.logits):
         torch.testing.assert_close(ours, theirs, atol=2e-3, rtol=1e-4)
+    assert len(out.hidden_states) == len(ref.hidden_states) and out.hidden_states[0][0].shape[1] == ids.shape[1]
+    for ours, theirs in zip(out.hidden_states, ref.hidden_states):
+        assert len(ours) == len(theirs) == model.config.num_hidden_layers + 1
+        for a, b in zip(ours, theirs):
+            torch.testing.assert_close(a, b, atol=2e-3, rtol=1e-4)
 
 
 def test_real_target_return_sequences_as_plain_generate(real):

@@ -198,7 +198,7 @@ def test_plain_generate_untouched_by_wrapping():
         (dict(stop_strings=["x"]), "tokenizer"),
         (dict(tree_total_tokens=0), "Tree budget"),
         (dict(tree_top_k=65), "exceeds the draft vocabulary"),
-        (dict(return_dict_in_generate=True, output_hidden_states=True), "output_hidden_states"),
+        (dict(return_dict_in_generate=True, output_attentions=True), "output_attentions"),
         (dict(cache_implementation="offloaded"), "cache_implementation"),
     ],
 )

@@ -14,7 +14,7 @@ from test_suffix import hybrid_assistant, oracle_corpus, suffix_assistant
 from transformers import StoppingCriteria, StoppingCriteriaList
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper
 
-from transformers_confu import SuffixAssistant
+from transformers_confu import ConFuAssistant, ConFuDraftConfig, SuffixAssistant
 from transformers_confu.decoding.generation import StepScores
 
 
@@ -218,3 +218,66 @@ def test_batched_own_stopping_criteria_read_each_rows_scores(eos):
     for row, end in enumerate(ends.tolist()):  # after its stop a row's scores are padding's (plain) or zeros (ours)
         for ours, theirs in zip(out.scores[:end], ref.scores[:end]):
             torch.testing.assert_close(ours[row], theirs[row], atol=1e-4, rtol=1e-4)
+
+
+HIDDEN = dict(return_dict_in_generate=True, output_hidden_states=True, output_scores=True)
+
+
+def assert_same_hidden_states(out, ref, ends: list[int] | None = None, real: torch.Tensor | None = None) -> None:
+    """Per new token the target's hidden states (embeddings and every layer) as plain generate records them, up to
+    each row's end (`ends`; default all steps), and in the prompt step at the real positions (`real`: the mask)."""
+    assert len(out.hidden_states) == len(ref.hidden_states) == out.sequences.shape[1] - out.hidden_states[0][0].shape[1]
+    for step, (ours, theirs) in enumerate(zip(out.hidden_states, ref.hidden_states)):
+        assert len(ours) == len(theirs) == 5  # embeddings + 4 layers
+        for a, b in zip(ours, theirs):
+            assert a.shape == b.shape and a.dtype == b.dtype
+            for row in range(a.shape[0]):
+                if ends is not None and step >= ends[row]:
+                    continue
+                keep = slice(None) if step or real is None else real[row].bool()
+                torch.testing.assert_close(a[row, keep], b[row, keep], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["confu", "suffix", "hybrid"])
+def test_hidden_states_match_plain_generate(kind, mode):
+    """`output_hidden_states`: the prompt step's (1, T, H) and each new token's (1, 1, H) per layer, also inside
+    long accepted blocks (tree passes and the accepted path's nodes) and with a ConFu adapter's `[con]` tokens."""
+    target = tiny_target()
+    prompts = [torch.randint(0, 128, (1, 6), generator=torch.Generator().manual_seed(s)) for s in range(2)]
+    corpus = oracle_corpus(target, prompts)
+    if kind == "confu":  # a random draft: few tokens accepted, but every pass carries [con] tokens
+        config = ConFuDraftConfig.for_target(target, draft_vocab_size=64, contemplate=True)
+        assistant, extra = ConFuAssistant.from_config(config, target, depth=3, top_k=2, total_tokens=6), {}
+        extra = dict(contemplate_nodes=3)
+    else:
+        assistant, extra = ((suffix_assistant(target, corpus, total_tokens=8), {}) if kind == "suffix" else
+                            (hybrid_assistant(target, corpus, depth=2, top_k=1, total_tokens=8), {}))
+    for ids in prompts:
+        ref = plain(target, ids, max_new_tokens=30, **HIDDEN)
+        out = target.generate(ids, max_new_tokens=30, do_sample=False, assistant_model=assistant, **HIDDEN, **extra,
+                              **mode_kwargs(mode))
+        assert torch.equal(out.sequences, ref.sequences) and out.hidden_states[0][0].shape == (1, 6, 32)
+        assert kind == "confu" or assistant.stats.mean_accepted_tokens > 3
+        assert_same_hidden_states(out, ref)
+
+
+def test_batched_hidden_states_match_plain_batched_generate(mode):
+    """Left-padded rows in the batched loop, an EOS ending the first row early: each row's hidden states as plain
+    batched generate's up to its end (zeros after it), the prompt step's at the real positions."""
+    target = tiny_target()
+    ids, mask = left_padded(2, [4, 7, 5])
+    prompts = [row[keep.bool()][None] for row, keep in zip(ids, mask)]
+    first = target.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False, pad_token_id=0)
+    eos = int(first[0, ids.shape[1] + 6])
+    assistant = hybrid_assistant(target, oracle_corpus(target, prompts, 16, eos_token_id=eos))
+    kwargs = dict(attention_mask=mask, max_new_tokens=16, do_sample=False, pad_token_id=0, eos_token_id=eos, **HIDDEN)
+    ref = target.generate(ids, **kwargs)
+    out = target.generate(ids, assistant_model=assistant, tree_depth=2, tree_top_k=1, tree_total_tokens=8, **kwargs,
+                          **mode_kwargs(mode))
+    assert assistant.stats.mode == mode and assistant.stats.mean_accepted_tokens > 2
+    assert torch.equal(out.sequences, ref.sequences)
+    new = out.sequences[:, ids.shape[1]:]
+    ends = [int((row == eos).nonzero()[0]) + 1 if (row == eos).any() else new.shape[1] for row in new]
+    assert ends[0] == 7 and max(ends) == 16
+    assert_same_hidden_states(out, ref, ends, mask)
+    assert all(not layer[0].any() for step in out.hidden_states[7:] for layer in step)  # row 0 ended: zeros

@@ -48,7 +48,6 @@ _UNSUPPORTED = {
     "guidance_scale": (None, 1.0),
     "watermarking_config": (None,),
     "output_attentions": (None, False),
-    "output_hidden_states": (None, False),
 }
 STATIC_BUCKET = 256  # static-mode cache capacities are multiples of this
 
@@ -580,21 +579,22 @@ def sequence_copies(input_ids: torch.LongTensor, mask: torch.Tensor | None, conf
 
 
 def score_record(config: GenerationConfig) -> StepScores | None:
-    """Where a call's `output_scores` / `output_logits` go (None where it asks for neither, or returns no dict, as
-    `generate` then returns the sequences alone)."""
-    if not (config.return_dict_in_generate and (config.output_scores or config.output_logits)):
+    """Where a call's `output_scores` / `output_logits` / `output_hidden_states` go (None where it asks for none, or
+    returns no dict, as `generate` then returns the sequences alone)."""
+    asked = [config.output_scores, config.output_logits, config.output_hidden_states]
+    if not (config.return_dict_in_generate and any(asked)):
         return None
-    return StepScores([] if config.output_scores else None, [] if config.output_logits else None)
+    return StepScores(*([] if wanted else None for wanted in asked))
 
 
 def returned(output: torch.LongTensor | ModelOutput, config: GenerationConfig, record: StepScores | None = None
              ) -> torch.LongTensor | ModelOutput:
     """What `generate` returns: the sequences or, with `return_dict_in_generate`, a `GenerateDecoderOnlyOutput`
-    holding them and the `record`ed scores and logits (no cache is returned)."""
+    holding them and the `record`ed scores, logits and hidden states (no cache is returned)."""
     if config.return_dict_in_generate and torch.is_tensor(output):
-        scores, logits = (None, None) if record is None else (record.scores, record.logits)
-        return GenerateDecoderOnlyOutput(sequences=output, scores=None if scores is None else tuple(scores),
-                                         logits=None if logits is None else tuple(logits))
+        kept = {name: None if record is None or getattr(record, name) is None else tuple(getattr(record, name))
+                for name in StepScores.KINDS}
+        return GenerateDecoderOnlyOutput(sequences=output, **kept)
     return output
 
 

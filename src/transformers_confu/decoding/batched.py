@@ -32,6 +32,7 @@ from .generation import (
     StepScores,
     TreeBudget,
     _append,
+    node_states,
     stopping_criteria,
 )
 from .processing import NodeProcessing, node_processing, probabilities
@@ -155,8 +156,10 @@ class _BatchTarget:
     default a growing cache."""
 
     def __init__(self, model: PreTrainedModel, feature_layers: list[int], adapter: ContemplateAdapter | None,
-                 pads: list[int], reserve: int, con_logits: bool = False, static: StaticTarget | None = None) -> None:
+                 pads: list[int], reserve: int, con_logits: bool = False, static: StaticTarget | None = None,
+                 keep_hidden: bool = False) -> None:
         self.model, self.layers, self.adapter, self.con_logits = model, feature_layers, adapter, con_logits
+        self.keep_hidden, self.hidden = keep_hidden, None  # the last pass's hidden states, every layer
         cache = growing_cache(model.config, reserve) if static is None else static.cache
         self.call = model if static is None else static.call
         self.offset = 0 if adapter is None else adapter.num_soft_tokens
@@ -170,6 +173,7 @@ class _BatchTarget:
 
     def _forward(self, call, keep: int | torch.Tensor, **inputs) -> tuple[torch.Tensor, torch.Tensor]:
         out = call(**inputs, use_cache=True, output_hidden_states=True, logits_to_keep=keep, **self.kwargs)
+        self.hidden = out.hidden_states if self.keep_hidden else None
         return out.logits, torch.cat([out.hidden_states[i] for i in self.layers], dim=-1)
 
     def prefill(self, ids: torch.LongTensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -366,10 +370,10 @@ def batched_generate(
     in `speculative_generate`, per row. `static` (static mode): the target's static cache and calls (the drafter
     holds its own); compiled (`static.keep` set), every pass keeps its shapes: finished rows stay in the batch,
     fed and keeping nothing, and the accepted paths are copied at the tree's full size. `processing`: each row's
-    logits processing (default: the one `config` asks for). `records`: where each row's new tokens' scores and
-    logits go (`output_scores`, `output_logits`), one `StepScores` per row. `stopping`: the call's own stopping
-    criteria (`stopping_criteria=`), beside `generate`'s, checked per row with its output and its recorded scores
-    (`max_time` stops each row at its next token).
+    logits processing (default: the one `config` asks for). `records`: where each row's new tokens' scores,
+    logits and hidden states go (`output_scores`, `output_logits`, `output_hidden_states`), one `StepScores` per
+    row. `stopping`: the call's own stopping criteria (`stopping_criteria=`), beside `generate`'s, checked per row
+    with its output and its recorded scores (`max_time` stops each row at its next token).
     """
     start = time.perf_counter()
     batch, prompt_len = input_ids.shape
@@ -379,7 +383,8 @@ def batched_generate(
     mix = adapter is not None and future_logit_weight > 0
     entry = adapter is not None and drafter.draft.config.has_future_entry
     pads = (attention_mask == 0).sum(1).tolist()
-    verify = _BatchTarget(target, feature_layers, adapter, pads, max_new_tokens + 64, mix, static)
+    keep_hidden = records is not None and records[0].hidden_states is not None
+    verify = _BatchTarget(target, feature_layers, adapter, pads, max_new_tokens + 64, mix, static, keep_hidden)
     compiled = static is not None and static.keep is not None
     parked: set[int] = set()  # compiled: the finished rows kept in the batch (indices into `rows`)
 
@@ -398,7 +403,8 @@ def batched_generate(
     stats.row_accepted_by_source = [Counter() for _ in range(batch)]
     futures, priors = [None] * batch, [None] * batch
     accepted = [[int(r)] for r in roots.tolist()]
-    picked = [(scores[i : i + 1], logits[i : i + 1]) for i in range(batch)]  # each row's accepted tokens' scores
+    picked = [(scores[i : i + 1], logits[i : i + 1],  # each row's accepted tokens' scores, logits, hidden states
+               [tuple(states[i : i + 1] for states in verify.hidden)] if keep_hidden else None) for i in range(batch)]
     next_ids = feats = counts = None
     while True:
         before = [outputs[row].shape[1] for row in rows]
@@ -408,7 +414,7 @@ def batched_generate(
         if records is not None:  # the tokens each row kept were picked at the first nodes of its path
             for i, row in enumerate(rows):
                 kept = outputs[row].shape[1] - before[i]
-                records[row].add(picked[i][0][:kept], picked[i][1][:kept])
+                records[row].add(picked[i][0][:kept], picked[i][1][:kept], picked[i][2] and picked[i][2][:kept])
         if not keep:
             break
         if compiled:
@@ -474,7 +480,8 @@ def batched_generate(
             stats.row_accepted_by_source[rows[i]].update(SOURCE_NAMES[origin] for origin in below_root if origin)
         accepted = [r[2 : 2 + count] for r, count in zip(read, counts)]
         if records is not None:
-            picked = [(s[path], logits[i, path]) for i, (s, path) in enumerate(zip(scores, paths))]
+            picked = [(s[path], logits[i, path], node_states(verify.hidden, i, path) if keep_hidden else None)
+                      for i, (s, path) in enumerate(zip(scores, paths))]
         stats.draft_seconds += t1 - t0
         stats.verify_seconds += t2 - t1
         stats.target_forwards += 1

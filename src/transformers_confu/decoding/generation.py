@@ -76,33 +76,52 @@ class SpeculativeStats:
 
 @dataclass
 class StepScores:
-    """`generate`'s `output_scores` and `output_logits`: for each new token, the (1, V) float32 scores it was picked
-    from (the target's logits after the call's processors and warpers) and the target's raw logits; a list is None
-    where the call did not ask for it."""
+    """`generate`'s `output_scores`, `output_logits` and `output_hidden_states`: for each new token, the (1, V)
+    float32 scores it was picked from (the target's logits after the call's processors and warpers), the target's
+    raw logits, and the target's hidden states where it was picked (a tuple over the embeddings and every layer of
+    (1, L, H) tensors: L the prompt's length for the first new token, 1 after it); a list is None where the call
+    did not ask for it."""
 
     scores: list[torch.Tensor] | None = None
     logits: list[torch.Tensor] | None = None
+    hidden_states: list[tuple[torch.Tensor, ...]] | None = None
+    KINDS = ("scores", "logits", "hidden_states")
 
-    def add(self, scores: torch.Tensor, logits: torch.Tensor) -> None:
-        """Record the (n, V) `scores` and `logits` of n new tokens."""
+    def add(self, scores: torch.Tensor, logits: torch.Tensor,
+            hidden_states: list[tuple[torch.Tensor, ...]] | None = None) -> None:
+        """Record the (n, V) `scores` and `logits` of n new tokens, and their n `hidden_states`."""
         for kept, rows in ((self.scores, scores), (self.logits, logits)):
             if kept is not None:
                 kept.extend(rows.to(torch.float32, copy=True).split(1))
+        if self.hidden_states is not None:
+            self.hidden_states.extend(hidden_states)
 
     def like(self) -> "StepScores":
         """An empty record of the same kinds."""
-        return StepScores(None if self.scores is None else [], None if self.logits is None else [])
+        return StepScores(*(None if getattr(self, name) is None else [] for name in self.KINDS))
 
     def add_rows(self, rows: list["StepScores"], steps: int) -> None:
-        """Record `steps` new tokens of a batch from each row's own record: per step the rows' (1, V) tensors
-        stacked into one (B, V), zeros where a row has fewer steps (it ended: its output is padding there)."""
-        for name in ("scores", "logits"):
+        """Record `steps` new tokens of a batch from each row's own record: per step the rows' tensors stacked into
+        one of B rows, zeros where a row has fewer steps (it ended: its output is padding there)."""
+        for name in self.KINDS:
             kept = getattr(self, name)
             if kept is None:
                 continue
             per_row = [getattr(row, name) for row in rows]
-            zeros = torch.zeros_like(next(r[0] for r in per_row if r))
-            kept.extend(torch.cat([r[step] if step < len(r) else zeros for r in per_row]) for step in range(steps))
+            for step in range(steps):
+                present = next(r[step] for r in per_row if step < len(r))
+                if name != "hidden_states":
+                    kept.append(torch.cat([r[step] if step < len(r) else torch.zeros_like(present) for r in per_row]))
+                    continue
+                kept.append(tuple(torch.cat([r[step][layer] if step < len(r) else torch.zeros_like(states)
+                                             for r in per_row]) for layer, states in enumerate(present)))
+
+
+def node_states(layers: tuple[torch.Tensor, ...], row: int, nodes: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
+    """Per node of `nodes`, a pass's hidden states `layers` ((B, N, H) each) at that node of batch row `row`, as a
+    tuple of (1, 1, H) tensors (what `generate` records for a one-token step)."""
+    picked = [states[row, nodes] for states in layers]
+    return [tuple(states[k][None, None] for states in picked) for k in range(len(nodes))]
 
 
 def stopping_criteria(target: PreTrainedModel, config: GenerationConfig, max_length: int, tokenizer=None,
@@ -144,8 +163,9 @@ class _Target:
 
     def __init__(self, model: PreTrainedModel, feature_layers: list[int],
                  adapter: ContemplateAdapter | None = None, static: StaticTarget | None = None,
-                 con_logits: bool = False) -> None:
+                 con_logits: bool = False, keep_hidden: bool = False) -> None:
         self.model, self.layers, self.adapter, self.con_logits = model, feature_layers, adapter, con_logits
+        self.keep_hidden, self.hidden = keep_hidden, None  # the last pass's hidden states, every layer
         cache = DynamicCache(config=model.config) if static is None else static.cache
         self.cache = cache if adapter is None else adapter.prefilled_cache(model, cache)
         self.offset = 0 if adapter is None else adapter.num_soft_tokens
@@ -157,6 +177,7 @@ class _Target:
     def _forward(self, call, keep, **inputs) -> tuple[torch.Tensor, torch.Tensor]:
         kwargs = {**self.kwargs, "logits_to_keep": keep} if self.keeps_logits else self.kwargs
         out = call(**inputs, use_cache=True, output_hidden_states=True, **kwargs)
+        self.hidden = out.hidden_states if self.keep_hidden else None
         logits = out.logits[0]
         if not self.keeps_logits:
             logits = logits[keep] if torch.is_tensor(keep) else logits[-keep:]
@@ -249,7 +270,8 @@ def speculative_generate(
     edits stay on the device with fixed shapes. `static` (static mode): the target's static cache and
     (compiled) calls; the drafter holds its own. `processing`: the logits processing of the call (default: the
     one `config` asks for); with any beyond greedy's none or sampling's token-free warpers, a round also reads the
-    tree on the host. `record`: where each new token's scores and logits go (`output_scores`, `output_logits`).
+    tree on the host. `record`: where each new token's scores, logits and hidden states go (`output_scores`,
+    `output_logits`, `output_hidden_states`).
     `stopping`: the call's own stopping criteria (`stopping_criteria=`), beside `generate`'s.
 
     With `adapter` (ConFu) every verify pass also carries `[con]` tokens (on all nodes, or on the
@@ -263,7 +285,8 @@ def speculative_generate(
     processing = processing or node_processing(target, config, input_ids, prompt_len + max_new_tokens)[0]
     mix = adapter is not None and future_logit_weight > 0
     entry = adapter is not None and drafter.draft.config.has_future_entry
-    verify = _Target(target, feature_layers, adapter, static, con_logits=mix)
+    keep_hidden = record is not None and record.hidden_states is not None
+    verify = _Target(target, feature_layers, adapter, static, con_logits=mix, keep_hidden=keep_hidden)
     compiled = verify.keep_call is not None
     if streamer is not None:
         streamer.put(input_ids.cpu())
@@ -276,7 +299,7 @@ def speculative_generate(
     seen = None if record is None else record.scores  # what the criteria get with each token, as in `generate`
     output, stopped = _append(output, [int(root)], criteria, streamer, seen, first)
     if record is not None:
-        record.add(first, logits[-1:])
+        record.add(first, logits[-1:], [verify.hidden])
     next_ids = torch.cat([input_ids[:, 1:], root.view(1, 1)], dim=1)
     feats, state, length, count = features, features[0, -1], prompt_len, None
     # the length as the fixed-shape calls see it: a host int, or in static mode a device scalar (no recompiles)
@@ -333,7 +356,7 @@ def speculative_generate(
         output, stopped = _append(output, accepted, criteria, streamer, seen, None if seen is None else scores[path])
         if record is not None:
             nodes = path[: output.shape[1] - before]
-            record.add(scores[nodes], logits[nodes])
+            record.add(scores[nodes], logits[nodes], node_states(verify.hidden, 0, nodes) if keep_hidden else None)
         feats, state = features[:, path], features[0, last[0]]
         length, at = length + n, at + count
     if streamer is not None:
