@@ -12,7 +12,14 @@ from test_generation import make_assistant, mode, mode_kwargs, plain  # noqa: F4
 from test_processing import SCORES, assert_same_steps, oracle_run
 from test_suffix import hybrid_assistant, oracle_corpus, suffix_assistant
 from transformers import StoppingCriteria, StoppingCriteriaList
-from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper
+from transformers.generation.logits_process import (
+    EpsilonLogitsWarper,
+    EtaLogitsWarper,
+    TemperatureLogitsWarper,
+    TopHLogitsWarper,
+    TopKLogitsWarper,
+    TypicalLogitsWarper,
+)
 
 from transformers_confu import ConFuAssistant, ConFuDraftConfig, SuffixAssistant
 from transformers_confu.decoding.generation import StepScores
@@ -57,16 +64,23 @@ def test_rounds_cut_by_a_stop_record_only_the_kept_tokens(stop):
             torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
 
 
-def test_sampling_scores_are_the_warped_logits_of_the_sampled_sequence():
+@pytest.mark.parametrize("setting, warpers", [
+    (dict(top_k=5), [TopKLogitsWarper(5)]),
+    (dict(top_k=0, typical_p=0.9), [TypicalLogitsWarper(0.9)]),
+    (dict(top_k=0, epsilon_cutoff=0.01), [EpsilonLogitsWarper(0.01)]),
+    (dict(top_k=0, eta_cutoff=0.01), [EtaLogitsWarper(0.01, device="cpu")]),
+    (dict(top_k=0, top_h=0.5), [TopHLogitsWarper(0.5)]),
+], ids=["top_k", "typical_p", "epsilon", "eta", "top_h"])
+def test_sampling_scores_are_the_warped_logits_of_the_sampled_sequence(setting, warpers):
     """Sampling: at each step the logits are the target's at that prefix and the scores are them after
-    temperature and top-k; every sampled token is among the scores' finite ones."""
+    temperature and the call's warper; every sampled token is among the scores' finite ones."""
     target = tiny_target(init=0.1)
     assistant = make_assistant(target, depth=3, top_k=2, total_tokens=6)
-    warp = [TemperatureLogitsWarper(0.7), TopKLogitsWarper(5)]
+    warp = [TemperatureLogitsWarper(0.7), *warpers]
     for seed in range(3):
         ids = torch.randint(0, 128, (1, 6), generator=torch.Generator().manual_seed(seed))
         torch.manual_seed(seed)
-        out = target.generate(ids, max_new_tokens=20, do_sample=True, temperature=0.7, top_k=5,
+        out = target.generate(ids, max_new_tokens=20, do_sample=True, temperature=0.7, **setting,
                               assistant_model=assistant, **SCORES)
         new = out.sequences[0, 6:]
         logits = target(out.sequences).logits[0, 5:-1].float()

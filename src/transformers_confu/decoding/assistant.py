@@ -23,6 +23,7 @@ import torch
 from huggingface_hub.utils import HFValidationError, validate_repo_id
 from safetensors import SafetensorError
 from transformers import CompileConfig, GenerationConfig, PretrainedConfig, PreTrainedModel, StoppingCriteriaList
+from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 from transformers.utils import ModelOutput
 
@@ -48,7 +49,11 @@ _UNSUPPORTED = {
     "guidance_scale": (None, 1.0),
     "watermarking_config": (None,),
     "output_attentions": (None, False),
+    "token_healing": (None, False),
 }
+# generate()'s decoding modes this loop reproduces; assisted generation is what prompt lookup, MTP or early exit
+# would make of greedy decoding or sampling (their output: greedy decoding's, or sampling's distribution)
+_MODES = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE, GenerationMode.ASSISTED_GENERATION)
 STATIC_BUCKET = 256  # static-mode cache capacities are multiples of this
 
 
@@ -560,6 +565,11 @@ def _generation_config(target: PreTrainedModel, kwargs: dict[str, Any]) -> Gener
                 f"`{name}={getattr(config, name)}` is not supported with a ConFu assistant "
                 "(supported: greedy or sampling with generate's logits processors and warpers, eos, stop strings)."
             )
+    mode = config.get_generation_mode()
+    if mode not in _MODES:  # e.g. contrastive search (penalty_alpha), DoLa, constrained beam search (force_words_ids)
+        raise ValueError(f"These generate() settings ask for {mode.value.replace('_', ' ')}, which a ConFu assistant "
+                         "does not run (it runs greedy decoding and sampling): leave the assistant out, or the "
+                         "settings (penalty_alpha, dola_layers, force_words_ids, constraints, ...).")
     return config
 
 
