@@ -437,3 +437,21 @@ def test_max_time_stops_as_plain_generate(mode):
     out = target.generate(ids, max_new_tokens=400, do_sample=False, assistant_model=assistant, max_time=0.05,
                           **mode_kwargs(mode))
     assert ids.shape[1] < out.shape[1] < 406 and torch.equal(out[0], free[0, : out.shape[1]])
+
+
+def test_stats_print_as_one_summary_line():
+    """`print(assistant.stats)`: the call's counts, tau and times on one line (the repr lists every round); the
+    batch policy's plain generate says so."""
+    target = tiny_target()
+    assistant = make_assistant(target, depth=2, top_k=1, total_tokens=3)
+    ids = torch.randint(0, 128, (1, 6), generator=torch.Generator().manual_seed(0))
+    target.generate(ids, max_new_tokens=12, do_sample=False, assistant_model=assistant)
+    stats = assistant.stats
+    line = str(stats)
+    assert "\n" not in line and line.startswith(f"eager loop: 12 new tokens in {stats.target_forwards} target passes")
+    assert f"tau {stats.mean_accepted_tokens:.2f}" in line and "accept_lengths" in repr(stats)
+    batch = torch.randint(1, 128, (4, 5), generator=torch.Generator().manual_seed(1))
+    policy = make_assistant(target)
+    target.generate(batch, attention_mask=torch.ones_like(batch), max_new_tokens=6, do_sample=False, pad_token_id=0,
+                    assistant_model=policy)
+    assert str(policy.stats).startswith("plain generate (the batch policy): 24 new tokens in ")
