@@ -51,8 +51,8 @@ def test_bench_end_to_end_writes_spec_bench_answers_tables_and_plots(tmp_path):
     for name in methods:
         cell = summary["table"][name]["overall"]
         assert set(cell) >= {"tau", "tokens_per_s", "speedup", "identical"} and cell["identical"] is True
-        rows = [json.loads(line) for line in (tmp_path / "res" / "bench_t0.7_answers" / f"{name.replace(':', '_')}.jsonl")
-                .read_text().splitlines()]
+        answers = tmp_path / "res" / "bench_t0.7_answers" / f"{name.replace(':', '_')}.jsonl"
+        rows = [json.loads(line) for line in answers.read_text().splitlines()]
         assert len(rows) == 4
         choice = rows[1]["choices"][0]
         assert {"question_id", "category", "model_id", "choices"} <= set(rows[1])

@@ -432,7 +432,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "bfloat16 products), float32, bfloat16, float16")
     p.add_argument("--kernels", choices=["onednn", "mkl"], default="onednn",
                    help="CPU linear layers: onednn (packed weights, what load_target gives) or mkl (plain F.linear)")
-    p.add_argument("--out", default="results/bench", help="output path prefix: <out>.md, <out>.json, <out>.png, <out>_answers/ (a dot in it stays, e.g. run_t0.7)")
+    p.add_argument("--out", default="results/bench",
+                   help="output path prefix: <out>.md, <out>.json, <out>.png, <out>_answers/ (a dot stays: run_t0.7)")
     args = p.parse_args(argv)
     # checked before anything loads: a typo must not cost the target's loading or a calibration
     trees, hybrid_trees = _budgets(args.trees), _budgets(args.hybrid_trees)

@@ -508,8 +508,8 @@ def _advance(rows: list[int], accepted: list[list[int]], outputs: list[torch.Ten
     done, so it stays until the batch's end is known and reached."""
     for i, (row, tokens) in enumerate(zip(rows, accepted)):
         if row not in ends:
-            grown, stopped = _append(outputs[row], tokens, criteria, None, *((None, None) if seen is None else
-                                                                              (seen[i], scores[i])))
+            row_seen, row_scores = (None, None) if seen is None else (seen[i], scores[i])
+            grown, stopped = _append(outputs[row], tokens, criteria, None, row_seen, row_scores)
             tokens, outputs[row] = tokens[grown.shape[1] - outputs[row].shape[1]:], grown  # what follows a stop
             if stopped:
                 ends[row] = grown.shape[1]

@@ -77,7 +77,7 @@ class SpeculativeStats:
         """One line for `print(assistant.stats)` (the dataclass's repr lists every round)."""
         rate = f", {self.new_tokens / self.total_seconds:.1f} tokens/s" if self.total_seconds else ""
         if self.mode == "plain":
-            return f"plain generate (the batch policy): {self.new_tokens} new tokens in {self.total_seconds:.2f} s{rate}"
+            return f"plain generate (the batch policy): {self.new_tokens} new tokens in {self.total_seconds:.2f} s" + rate
         line = (f"{self.mode} loop: {self.new_tokens} new tokens in {self.target_forwards} target passes, "
                 f"tau {self.mean_accepted_tokens:.2f}; {self.total_seconds:.2f} s (draft {self.draft_seconds:.2f}, "
                 f"verify {self.verify_seconds:.2f}, other {self.other_seconds:.2f}){rate}")
