@@ -455,3 +455,8 @@ def test_stats_print_as_one_summary_line():
     target.generate(batch, attention_mask=torch.ones_like(batch), max_new_tokens=6, do_sample=False, pad_token_id=0,
                     assistant_model=policy)
     assert str(policy.stats).startswith("plain generate (the batch policy): 24 new tokens in ")
+    target.generate(batch[:2], attention_mask=torch.ones_like(batch[:2]), max_new_tokens=6, do_sample=False,
+                    pad_token_id=0, assistant_model=policy)  # batch 2: a chain per row
+    taus = [sum(r) / len(r) for r in policy.stats.row_accept_lengths]
+    assert str(policy.stats).startswith("eager loop: 12 new tokens in ")
+    assert str(policy.stats).endswith(f"; 2 rows, tau {min(taus):.2f}-{max(taus):.2f}")

@@ -51,6 +51,10 @@ class BatchStats(SpeculativeStats):
     row_accept_lengths: list[list[int]] = field(default_factory=list)
     row_accepted_by_source: list[Counter] = field(default_factory=list)
 
+    def __str__(self) -> str:
+        taus = [sum(rounds) / len(rounds) for rounds in self.row_accept_lengths if rounds]
+        return super().__str__() + (f"; {len(taus)} rows, tau {min(taus):.2f}-{max(taus):.2f}" if taus else "")
+
 
 # Per device type: (the largest batch that drafts a chain, the chain's depth; None: the draft's saved depth);
 # larger batches run plain `generate`. CPU: measured on this project's 2-core machine (results/batched_policy.md:
