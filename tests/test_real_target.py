@@ -82,6 +82,21 @@ def test_real_target_scores_logits_and_hidden_states_as_plain_generate(real):
             torch.testing.assert_close(a, b, atol=2e-3, rtol=1e-4)
 
 
+def test_real_target_next_turn_reuses_the_first_turns_caches(real):
+    """A chat's second turn continues the first call's sequence: most of its prompt comes from the kept caches and
+    the answer is plain generate's."""
+    model, tokenizer, assistant = real
+    turns = ["Name three planets.", "Now describe the second one in one sentence."]
+    ids = chat_input_ids(tokenizer, turns[:1])
+    first = model.generate(ids, max_new_tokens=40, do_sample=False, assistant_model=assistant)
+    answer = tokenizer.decode(first[0, ids.shape[1]:], skip_special_tokens=True)
+    ids = chat_input_ids(tokenizer, turns, [answer])
+    out = model.generate(ids, max_new_tokens=40, do_sample=False, assistant_model=assistant)
+    assert torch.equal(out, model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=40,
+                                           do_sample=False))
+    assert assistant.stats.reused_tokens >= first.shape[1] // 2
+
+
 def test_real_target_return_sequences_as_plain_generate(real):
     """`num_return_sequences=2` with top_k=1 (every draw the argmax): both copies and their scores are plain
     generate's (a batch of 2 drafting a depth-1 chain: sampled batches run plain generate by default on a CPU)."""

@@ -37,7 +37,7 @@ from ..utils.cache import full_attention, keep_path, reset_cache, static_cache
 from ..utils.grouped_attention import grouped_query_attention
 from ..utils.packed_linear import native_bf16, pack_linear_weights
 from .batched import generate_batch, is_batch, move_rows
-from .generation import SpeculativeStats, StaticTarget, StepScores, TreeBudget, speculative_generate
+from .generation import KeptCaches, SpeculativeStats, StaticTarget, StepScores, TreeBudget, speculative_generate
 from .processing import call_options, node_processing
 from .suffix import SuffixProposer, load_proposer
 from .tree import TreeDrafter, catch_up_step, draft_tree
@@ -156,6 +156,7 @@ class ConFuAssistant(RoutedAssistant):
         self._budget_set = bool(tree)  # batches run an explicit budget as it is, else `batch_budget`'s
         self.sampling_top_k: int | None = None
         self.stats = SpeculativeStats()
+        self.kept_caches = KeptCaches()  # the last eager batch-1 call's, for a next call that continues it
         wrap_generate(target_model)
 
     @classmethod
@@ -313,7 +314,7 @@ class ConFuAssistant(RoutedAssistant):
         output = speculative_generate(
             target, drafter, self.draft.config.feature_layers, input_ids, config, max_new, self.stats,
             tokenizer, streamer, self.adapter, contemplate_nodes, parts.get("target"), future_logit_weight, processing,
-            record, stopping,
+            record, stopping, self.kept_caches,
         )
         self.stats.suffix_seconds = 0.0 if suffix is None else suffix.seconds
         return returned(output, config, record)

@@ -18,7 +18,7 @@ from transformers import (
 )
 
 from ..models.contemplate import ContemplateAdapter, soft_prompt_mask
-from ..utils.cache import cache_kwargs, keep_path, key_width
+from ..utils.cache import cache_kwargs, keep_path, key_width, truncate_cache
 from .processing import NodeProcessing, node_processing, probabilities
 from .tree import DraftTree, TreeDrafter, additive_mask, pad_keys
 from .verify import accept_greedy, accept_sampling
@@ -45,11 +45,13 @@ class SpeculativeStats:
     (the first call of a shape), `draft_seconds`/`verify_seconds` are host-side times (asynchronous on a GPU).
     With suffix candidates, `accepted_by_source` counts the accepted drafted tokens (bonus tokens aside) by
     origin, "draft", "suffix" or "both" (proposed by each), and `suffix_seconds` is the suffix lookups' part
-    of `draft_seconds`. `tree_sizes`: the nodes verified each round (root included; below the budget where the
-    candidates are fewer, or where a per-round width chose fewer, `width.py`)."""
+    of `draft_seconds`. `reused_tokens`: the prompt positions whose caches the last call left (`KeptCaches`).
+    `tree_sizes`: the nodes verified each round (root included; below the budget where the candidates are fewer,
+    or where a per-round width chose fewer, `width.py`)."""
 
     mode: str = "eager"
     compile_seconds: float = 0.0
+    reused_tokens: int = 0
     new_tokens: int = 0
     target_forwards: int = 0
     accept_lengths: list[int] = field(default_factory=list)
@@ -77,10 +79,13 @@ class SpeculativeStats:
         """One line for `print(assistant.stats)` (the dataclass's repr lists every round)."""
         rate = f", {self.new_tokens / self.total_seconds:.1f} tokens/s" if self.total_seconds else ""
         if self.mode == "plain":
-            return f"plain generate (the batch policy): {self.new_tokens} new tokens in {self.total_seconds:.2f} s" + rate
+            return (f"plain generate (the batch policy): {self.new_tokens} new tokens in {self.total_seconds:.2f} s"
+                    + rate)
         line = (f"{self.mode} loop: {self.new_tokens} new tokens in {self.target_forwards} target passes, "
                 f"tau {self.mean_accepted_tokens:.2f}; {self.total_seconds:.2f} s (draft {self.draft_seconds:.2f}, "
                 f"verify {self.verify_seconds:.2f}, other {self.other_seconds:.2f}){rate}")
+        if self.reused_tokens:
+            line += f"; {self.reused_tokens} prompt tokens' caches kept from the last call"
         drafted = sum(self.accepted_by_source.values())
         if drafted:
             line += "; accepted drafted tokens: " + ", ".join(
@@ -131,6 +136,34 @@ class StepScores:
                                              for r in per_row]) for layer, states in enumerate(present)))
 
 
+@dataclass
+class KeptCaches:
+    """What an eager batch-1 call leaves for the next one (a `ConFuAssistant` keeps one): its sequence `tokens`
+    (1, S) on the host, the target's cache (`offset` soft-prompt entries first) and the draft's, whose first
+    `length` entries hold positions 0 .. length - 1 (the draft lags the target by its last round)."""
+
+    tokens: torch.LongTensor = field(default_factory=lambda: torch.zeros(1, 0, dtype=torch.long))
+    target: Cache | None = None
+    draft: Cache | None = None
+    length: int = 0
+    offset: int = 0
+
+    def reusable(self, input_ids: torch.LongTensor, offset: int) -> int:
+        """Positions a call with prompt `input_ids` (1, T) takes from these caches: their common prefix less one
+        (the draft's entry at p needs the token at p + 1; the prompt's last token is run again for its logits and
+        features), at most the draft's entries."""
+        n = min(input_ids.shape[1], self.tokens.shape[1])
+        if self.target is None or offset != self.offset or n < 2:
+            return 0
+        same = input_ids[0, :n].cpu() == self.tokens[0, :n]
+        common = n if bool(same.all()) else int(same.int().argmin())
+        return max(0, min(common - 1, self.length))
+
+    def clear(self) -> None:
+        """Drop the caches (the next call prefills its whole prompt)."""
+        self.tokens, self.target, self.draft, self.length = self.tokens[:, :0], None, None, 0
+
+
 def node_states(layers: tuple[torch.Tensor, ...], row: int, nodes: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
     """Per node of `nodes`, a pass's hidden states `layers` ((B, N, H) each) at that node of batch row `row`, as a
     tuple of (1, 1, H) tensors (what `generate` records for a one-token step)."""
@@ -177,12 +210,14 @@ class _Target:
 
     def __init__(self, model: PreTrainedModel, feature_layers: list[int],
                  adapter: ContemplateAdapter | None = None, static: StaticTarget | None = None,
-                 con_logits: bool = False, keep_hidden: bool = False) -> None:
+                 con_logits: bool = False, keep_hidden: bool = False, cache: Cache | None = None) -> None:
         self.model, self.layers, self.adapter, self.con_logits = model, feature_layers, adapter, con_logits
         self.keep_hidden, self.hidden = keep_hidden, None  # the last pass's hidden states, every layer
-        cache = DynamicCache(config=model.config) if static is None else static.cache
-        self.cache = cache if adapter is None else adapter.prefilled_cache(model, cache)
         self.offset = 0 if adapter is None else adapter.num_soft_tokens
+        if cache is None:  # else a kept one, soft prompt included
+            cache = DynamicCache(config=model.config) if static is None else static.cache
+            cache = cache if adapter is None else adapter.prefilled_cache(model, cache)
+        self.cache = cache
         self.call = model if static is None else static.call
         self.keep_call = None if static is None else static.keep
         self.kwargs = cache_kwargs(model, self.cache)
@@ -200,15 +235,18 @@ class _Target:
     def _width(self, needed: int) -> int:
         return key_width(self.cache, self.offset + needed)
 
-    def prefill(self, ids: torch.LongTensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The prompt pass: the last position's logits (all `generate` needs) and all features."""
+    def prefill(self, ids: torch.LongTensor, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """The prompt pass over `ids` at positions `start`... (after `start` cached ones): the last position's logits
+        (all `generate` needs) and all features."""
         if self.adapter is None:
             return self._forward(self.model, 1, input_ids=ids)
         n, device = ids.shape[1], ids.device
         causal = torch.ones(n, n, dtype=torch.bool, device=device).tril()
-        mask = soft_prompt_mask(causal, self.offset, causal.new_zeros(n), self.model.dtype)
-        return self._forward(self.model, 1, input_ids=ids, position_ids=torch.arange(n, device=device)[None],
-                             attention_mask=pad_keys(mask, self._width(n)))
+        visible = torch.cat([causal.new_ones(n, start), causal], dim=1)
+        mask = soft_prompt_mask(visible, self.offset, causal.new_zeros(n), self.model.dtype)
+        positions = torch.arange(start, start + n, device=device)[None]
+        return self._forward(self.model, 1, input_ids=ids, position_ids=positions,
+                             attention_mask=pad_keys(mask, self._width(start + n)))
 
     def keep(self, path: torch.Tensor, length: int | torch.Tensor, count: int | torch.Tensor) -> None:
         """Compact the cache to the accepted `path` of `count` nodes after a tree pass at `length` (host ints,
@@ -277,6 +315,7 @@ def speculative_generate(
     processing: NodeProcessing | None = None,
     record: StepScores | None = None,
     stopping: StoppingCriteriaList | None = None,
+    kept: KeptCaches | None = None,
 ) -> torch.LongTensor:
     """Generate up to `max_new_tokens` after `input_ids` (1, T); returns (1, T + new).
 
@@ -286,7 +325,8 @@ def speculative_generate(
     one `config` asks for); with any beyond greedy's none or sampling's token-free warpers, a round also reads the
     tree on the host. `record`: where each new token's scores, logits and hidden states go (`output_scores`,
     `output_logits`, `output_hidden_states`).
-    `stopping`: the call's own stopping criteria (`stopping_criteria=`), beside `generate`'s.
+    `stopping`: the call's own stopping criteria (`stopping_criteria=`), beside `generate`'s. `kept` (eager): the
+    caches the last call left, reused where this prompt begins with its sequence, and replaced by this call's.
 
     With `adapter` (ConFu) every verify pass also carries `[con]` tokens (on all nodes, or on the
     `contemplate_nodes` likeliest ends of the accepted path); the future vector read at the last accepted
@@ -300,13 +340,21 @@ def speculative_generate(
     mix = adapter is not None and future_logit_weight > 0
     entry = adapter is not None and drafter.draft.config.has_future_entry
     keep_hidden = record is not None and record.hidden_states is not None
-    verify = _Target(target, feature_layers, adapter, static, con_logits=mix, keep_hidden=keep_hidden)
+    offset = 0 if adapter is None else adapter.num_soft_tokens
+    kept = None if static is not None or keep_hidden else kept  # the prompt step's hidden states need the whole pass
+    reused = 0 if kept is None else kept.reusable(input_ids, offset)
+    if reused:
+        truncate_cache(kept.target, offset + reused)
+        truncate_cache(kept.draft, reused)
+        drafter.cache, stats.reused_tokens = kept.draft, reused
+    verify = _Target(target, feature_layers, adapter, static, con_logits=mix, keep_hidden=keep_hidden,
+                     cache=kept.target if reused else None)
     compiled = verify.keep_call is not None
     if streamer is not None:
         streamer.put(input_ids.cpu())
 
     t0 = time.perf_counter()
-    logits, features = verify.prefill(input_ids)
+    logits, features = verify.prefill(input_ids[:, reused:], reused)
     stats.verify_seconds += time.perf_counter() - t0
     output = input_ids.cpu()
     root, first = processing.pick(logits[-1], output)
@@ -314,7 +362,7 @@ def speculative_generate(
     output, stopped = _append(output, [int(root)], criteria, streamer, seen, first)
     if record is not None:
         record.add(first, logits[-1:], [verify.hidden])
-    next_ids = torch.cat([input_ids[:, 1:], root.view(1, 1)], dim=1)
+    next_ids = torch.cat([input_ids[:, reused + 1 :], root.view(1, 1)], dim=1)
     feats, state, length, count = features, features[0, -1], prompt_len, None
     # the length as the fixed-shape calls see it: a host int, or in static mode a device scalar (no recompiles)
     at = prompt_len if static is None else torch.tensor(prompt_len, device=input_ids.device)
@@ -375,6 +423,9 @@ def speculative_generate(
         length, at = length + n, at + count
     if streamer is not None:
         streamer.end()
+    if kept is not None:
+        kept.tokens, kept.target, kept.draft, kept.offset = output, verify.cache, drafter.cache, offset
+        kept.length = int(drafter.filled)
     stats.new_tokens = output.shape[1] - prompt_len
     stats.total_seconds = time.perf_counter() - start
     return output.to(input_ids.device)

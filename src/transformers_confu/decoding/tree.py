@@ -371,6 +371,11 @@ class TreeDrafter:
     def d2t(self) -> torch.Tensor:
         return self.draft.d2t
 
+    @property
+    def filled(self) -> int | torch.Tensor:
+        """The cache's entries of real positions (0 .. filled - 1); a ConFu `[f]` entry sits after them."""
+        return self.length if self._future_slot is None else self._future_slot
+
     @torch.no_grad()
     def catch_up(self, next_ids: torch.LongTensor, features: torch.Tensor, length: int | torch.Tensor,
                  future: tuple[torch.Tensor, int | torch.Tensor] | None = None,
