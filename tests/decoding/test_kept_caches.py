@@ -66,6 +66,12 @@ def test_only_the_common_prefix_is_reused():
     assistant.kept_caches.clear()  # dropped: the same continuation prefills its whole prompt
     out = target.generate(edited, max_new_tokens=12, do_sample=False, assistant_model=assistant)
     assert torch.equal(out, plain(target, edited, max_new_tokens=12)) and assistant.stats.reused_tokens == 0
+    first = target.generate(edited, max_new_tokens=12, do_sample=False, assistant_model=assistant)
+    with torch.no_grad():
+        target.model.layers[0].mlp.down_proj.weight.mul_(1.5)  # the target changed since: its caches are stale
+    nxt = torch.cat([first, turn(6)], 1)
+    out = target.generate(nxt, max_new_tokens=12, do_sample=False, assistant_model=assistant)
+    assert torch.equal(out, plain(target, nxt, max_new_tokens=12)) and assistant.stats.reused_tokens == 0
     other = turn(3, 9)
     assert torch.equal(target.generate(other, max_new_tokens=12, do_sample=False, assistant_model=assistant),
                        plain(target, other, max_new_tokens=12))

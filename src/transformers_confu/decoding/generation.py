@@ -147,13 +147,14 @@ class KeptCaches:
     draft: Cache | None = None
     length: int = 0
     offset: int = 0
+    weights: tuple = ()  # `weights_key` of the target that filled them
 
-    def reusable(self, input_ids: torch.LongTensor, offset: int) -> int:
+    def reusable(self, input_ids: torch.LongTensor, offset: int, weights: tuple) -> int:
         """Positions a call with prompt `input_ids` (1, T) takes from these caches: their common prefix less one
         (the draft's entry at p needs the token at p + 1; the prompt's last token is run again for its logits and
-        features), at most the draft's entries."""
+        features), at most the draft's entries; none if the target's weights changed since."""
         n = min(input_ids.shape[1], self.tokens.shape[1])
-        if self.target is None or offset != self.offset or n < 2:
+        if self.target is None or offset != self.offset or weights != self.weights or n < 2:
             return 0
         same = input_ids[0, :n].cpu() == self.tokens[0, :n]
         common = n if bool(same.all()) else int(same.int().argmin())
@@ -162,6 +163,11 @@ class KeptCaches:
     def clear(self) -> None:
         """Drop the caches (the next call prefills its whole prompt)."""
         self.tokens, self.target, self.draft, self.length = self.tokens[:, :0], None, None, 0
+
+
+def weights_key(model: torch.nn.Module) -> tuple:
+    """Which parameter tensors a model holds and their in-place version counters: changes when its weights do."""
+    return tuple((id(p), p._version) for p in model.parameters())
 
 
 def node_states(layers: tuple[torch.Tensor, ...], row: int, nodes: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
@@ -342,7 +348,8 @@ def speculative_generate(
     keep_hidden = record is not None and record.hidden_states is not None
     offset = 0 if adapter is None else adapter.num_soft_tokens
     kept = None if static is not None or keep_hidden else kept  # the prompt step's hidden states need the whole pass
-    reused = 0 if kept is None else kept.reusable(input_ids, offset)
+    weights = () if kept is None else weights_key(target)
+    reused = 0 if kept is None else kept.reusable(input_ids, offset, weights)
     if reused:
         truncate_cache(kept.target, offset + reused)
         truncate_cache(kept.draft, reused)
@@ -424,7 +431,8 @@ def speculative_generate(
     if streamer is not None:
         streamer.end()
     if kept is not None:
-        kept.tokens, kept.target, kept.draft, kept.offset = output, verify.cache, drafter.cache, offset
+        kept.tokens, kept.target, kept.draft = output, verify.cache, drafter.cache
+        kept.offset, kept.weights = offset, weights
         kept.length = int(drafter.filled)
     stats.new_tokens = output.shape[1] - prompt_len
     stats.total_seconds = time.perf_counter() - start
