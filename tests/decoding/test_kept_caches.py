@@ -84,3 +84,24 @@ def test_only_the_common_prefix_is_reused():
     out = target.generate(nxt, max_new_tokens=6, do_sample=False, assistant_model=assistant,
                           cache_implementation="static")
     assert torch.equal(out, plain(target, nxt, max_new_tokens=6)) and assistant.stats.reused_tokens == 0
+
+
+def test_a_call_that_fails_half_way_leaves_no_caches():
+    """A stopping criterion that raises in the middle of a call: the next call prefills its whole prompt."""
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    class Fails(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            if input_ids.shape[1] > 20:
+                raise RuntimeError("stop here")
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+    target = tiny_target()
+    assistant = make_assistant(target, depth=2, top_k=2, total_tokens=5)
+    first = target.generate(turn(0, 8), max_new_tokens=10, do_sample=False, assistant_model=assistant)
+    nxt = torch.cat([first, turn(1)], 1)
+    with pytest.raises(RuntimeError, match="stop here"):
+        target.generate(nxt, max_new_tokens=10, do_sample=False, assistant_model=assistant,
+                        stopping_criteria=StoppingCriteriaList([Fails()]))
+    out = target.generate(nxt, max_new_tokens=10, do_sample=False, assistant_model=assistant)
+    assert torch.equal(out, plain(target, nxt, max_new_tokens=10)) and assistant.stats.reused_tokens == 0

@@ -350,12 +350,14 @@ def speculative_generate(
     kept = None if static is not None or keep_hidden else kept  # the prompt step's hidden states need the whole pass
     weights = () if kept is None else weights_key(target)
     reused = 0 if kept is None else kept.reusable(input_ids, offset, weights)
+    cache = None
     if reused:
         truncate_cache(kept.target, offset + reused)
         truncate_cache(kept.draft, reused)
-        drafter.cache, stats.reused_tokens = kept.draft, reused
-    verify = _Target(target, feature_layers, adapter, static, con_logits=mix, keep_hidden=keep_hidden,
-                     cache=kept.target if reused else None)
+        cache, drafter.cache, stats.reused_tokens = kept.target, kept.draft, reused
+    if kept is not None:
+        kept.clear()  # filled again at the end: a call that fails half-way leaves no half-written caches behind
+    verify = _Target(target, feature_layers, adapter, static, con_logits=mix, keep_hidden=keep_hidden, cache=cache)
     compiled = verify.keep_call is not None
     if streamer is not None:
         streamer.put(input_ids.cpu())
