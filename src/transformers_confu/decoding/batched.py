@@ -412,7 +412,8 @@ def batched_generate(
     next_ids = feats = counts = None
     while True:
         before = [outputs[row].shape[1] for row in rows]
-        seen = None if records is None or records[0].scores is None else [records[row].scores for row in rows]
+        own = stopping and records is not None and records[0].scores is not None  # only the call's own read scores
+        seen = [records[row].scores for row in rows] if own else None
         keep = _advance(rows, accepted, outputs, ends, criteria, config.eos_token_id is not None,
                         prompt_len + max_new_tokens, seen, None if seen is None else [p[0] for p in picked])
         if records is not None:  # the tokens each row kept were picked at the first nodes of its path

@@ -128,12 +128,18 @@ class StepScores:
                 continue
             per_row = [getattr(row, name) for row in rows]
             for step in range(steps):
-                present = next(r[step] for r in per_row if step < len(r))
-                if name != "hidden_states":
-                    kept.append(torch.cat([r[step] if step < len(r) else torch.zeros_like(present) for r in per_row]))
-                    continue
-                kept.append(tuple(torch.cat([r[step][layer] if step < len(r) else torch.zeros_like(states)
-                                             for r in per_row]) for layer, states in enumerate(present)))
+                at = [r[step] if step < len(r) else None for r in per_row]
+                present = next(a for a in at if a is not None)
+                if name == "hidden_states":  # a tuple over the layers
+                    kept.append(tuple(_stack([None if a is None else a[layer] for a in at], states)
+                                      for layer, states in enumerate(present)))
+                else:
+                    kept.append(_stack(at, present))
+
+
+def _stack(rows: list[torch.Tensor | None], like: torch.Tensor) -> torch.Tensor:
+    """The rows' tensors concatenated, zeros shaped as `like` for a missing (None) one."""
+    return torch.cat([torch.zeros_like(like) if row is None else row for row in rows])
 
 
 @dataclass
@@ -163,6 +169,25 @@ class KeptCaches:
     def clear(self) -> None:
         """Drop the caches (the next call prefills its whole prompt)."""
         self.tokens, self.target, self.draft, self.length = self.tokens[:, :0], None, None, 0
+
+    def take(self, input_ids: torch.LongTensor, offset: int, target: PreTrainedModel, drafter: TreeDrafter
+             ) -> tuple[int, Cache | None]:
+        """Hand a call the `reusable` positions: the target's cache cut there (returned, None if nothing is
+        reused) and the draft's, put on `drafter`. Clears itself: a call that fails half-way leaves nothing."""
+        weights = weights_key(target)
+        reused, cache = self.reusable(input_ids, offset, weights), None
+        if reused:
+            truncate_cache(self.target, offset + reused)
+            truncate_cache(self.draft, reused)
+            cache, drafter.cache = self.target, self.draft
+        self.clear()
+        self.weights = weights  # what `leave` keeps them under
+        return reused, cache
+
+    def leave(self, output: torch.LongTensor, cache: Cache, drafter: TreeDrafter, offset: int) -> None:
+        """Keep a finished call's sequence and caches (the target's `weights` were read by `take`)."""
+        self.tokens, self.target, self.draft = output, cache, drafter.cache
+        self.offset, self.length = offset, int(drafter.filled)
 
 
 def weights_key(model: torch.nn.Module) -> tuple:
@@ -289,8 +314,8 @@ def _append(output, tokens, criteria, streamer, seen: list[torch.Tensor] | None 
             scores: torch.Tensor | None = None) -> tuple[torch.LongTensor, bool]:
     """Append `tokens` one at a time to the host copy of the output, stopping where `generate`'s stopping
     criteria would (on the host: no device sync per token). `seen`: the scores recorded for the earlier new tokens
-    (`output_scores`), with `scores` (len(tokens), V) this call's: the criteria get those up to each token as a
-    tuple, as `generate` passes its recorded scores (None without `seen`)."""
+    (`output_scores`, where the call has criteria of its own), with `scores` (len(tokens), V) this call's: the
+    criteria get those up to each token as a tuple, as `generate` passes its recorded scores (None without `seen`)."""
     stopped, kept = False, 0
     for token in tokens:
         output = torch.cat([output, output.new_tensor([[token]])], dim=1)
@@ -348,15 +373,8 @@ def speculative_generate(
     keep_hidden = record is not None and record.hidden_states is not None
     offset = 0 if adapter is None else adapter.num_soft_tokens
     kept = None if static is not None or keep_hidden else kept  # the prompt step's hidden states need the whole pass
-    weights = () if kept is None else weights_key(target)
-    reused = 0 if kept is None else kept.reusable(input_ids, offset, weights)
-    cache = None
-    if reused:
-        truncate_cache(kept.target, offset + reused)
-        truncate_cache(kept.draft, reused)
-        cache, drafter.cache, stats.reused_tokens = kept.target, kept.draft, reused
-    if kept is not None:
-        kept.clear()  # filled again at the end: a call that fails half-way leaves no half-written caches behind
+    reused, cache = (0, None) if kept is None else kept.take(input_ids, offset, target, drafter)
+    stats.reused_tokens = reused
     verify = _Target(target, feature_layers, adapter, static, con_logits=mix, keep_hidden=keep_hidden, cache=cache)
     compiled = verify.keep_call is not None
     if streamer is not None:
@@ -367,7 +385,8 @@ def speculative_generate(
     stats.verify_seconds += time.perf_counter() - t0
     output = input_ids.cpu()
     root, first = processing.pick(logits[-1], output)
-    seen = None if record is None else record.scores  # what the criteria get with each token, as in `generate`
+    # the scores `generate` hands its criteria; only the call's own read them (transformers' ignore them)
+    seen = None if record is None or not stopping else record.scores
     output, stopped = _append(output, [int(root)], criteria, streamer, seen, first)
     if record is not None:
         record.add(first, logits[-1:], [verify.hidden])
@@ -433,9 +452,7 @@ def speculative_generate(
     if streamer is not None:
         streamer.end()
     if kept is not None:
-        kept.tokens, kept.target, kept.draft = output, verify.cache, drafter.cache
-        kept.offset, kept.weights = offset, weights
-        kept.length = int(drafter.filled)
+        kept.leave(output, verify.cache, drafter, offset)
     stats.new_tokens = output.shape[1] - prompt_len
     stats.total_seconds = time.perf_counter() - start
     return output.to(input_ids.device)
