@@ -2,6 +2,9 @@
 turn) against the same call from scratch and plain `generate`, greedy, outputs checked identical.
 
     OMP_NUM_THREADS=1 python results/kept_caches_turn2.py results/kept_caches_turn2.json
+    OMP_NUM_THREADS=1 python results/kept_caches_turn2.py results/kept_caches_suffix_turn2.json --suffix
+
+`--suffix`: a `SuffixAssistant(model)` (suffix candidates from the sequence alone, no draft) instead.
 """
 import json
 import sys
@@ -9,13 +12,14 @@ import time
 
 import torch
 
-from transformers_confu import ConFuAssistant, load_target
+from transformers_confu import ConFuAssistant, SuffixAssistant, load_target
 from transformers_confu.decoding.generation import KeptCaches
 from transformers_confu.models.target import DEFAULT_DRAFT
 
 NEW = 96
 model, tok = load_target()
-assistant = ConFuAssistant.from_pretrained(DEFAULT_DRAFT, target_model=model)
+assistant = (SuffixAssistant(model) if "--suffix" in sys.argv else
+             ConFuAssistant.from_pretrained(DEFAULT_DRAFT, target_model=model))
 rows = [json.loads(line) for line in open("src/transformers_confu/benchmark/data/specbench_dev.jsonl")]
 questions = [r for r in rows if len(r["turns"]) > 1][:16]
 

@@ -5,6 +5,10 @@ fourth turn answered with the first call's caches kept and, again, from scratch;
 `generate`.
 
     OMP_NUM_THREADS=1 python results/kept_caches_turn4.py runs/regen/pool/prompts_fourth_turn.jsonl results/kept_caches_turn4.json
+    OMP_NUM_THREADS=1 python results/kept_caches_turn4.py runs/regen/pool/prompts_fourth_turn.jsonl \
+        results/kept_caches_suffix_turn4.json --suffix
+
+`--suffix`: a `SuffixAssistant(model)` (suffix candidates from the sequence alone, no draft) instead.
 """
 import json
 import sys
@@ -12,12 +16,13 @@ import time
 
 import torch
 
-from transformers_confu import ConFuAssistant, load_target
+from transformers_confu import ConFuAssistant, SuffixAssistant, load_target
 from transformers_confu.models.target import DEFAULT_DRAFT
 
 NEW, COUNT = 96, 8
 model, tok = load_target()
-assistant = ConFuAssistant.from_pretrained(DEFAULT_DRAFT, target_model=model)
+assistant = (SuffixAssistant(model) if "--suffix" in sys.argv else
+             ConFuAssistant.from_pretrained(DEFAULT_DRAFT, target_model=model))
 chats = [json.loads(line)["messages"] for line in open(sys.argv[1])][:COUNT * 40:40]
 
 

@@ -85,7 +85,14 @@ def test_real_target_scores_logits_and_hidden_states_as_plain_generate(real):
 def test_real_target_next_turn_reuses_the_first_turns_caches(real):
     """A chat's second turn continues the first call's sequence: most of its prompt comes from the kept caches and
     the answer is plain generate's."""
-    model, tokenizer, assistant = real
+    next_turn_reuses_caches(*real)
+
+
+def test_real_target_next_turn_reuses_caches_with_suffix_candidates_alone(target):
+    next_turn_reuses_caches(*target, SuffixAssistant(target[0]))
+
+
+def next_turn_reuses_caches(model, tokenizer, assistant) -> None:
     turns = ["Name three planets.", "Now describe the second one in one sentence."]
     ids = chat_input_ids(tokenizer, turns[:1])
     first = model.generate(ids, max_new_tokens=40, do_sample=False, assistant_model=assistant)

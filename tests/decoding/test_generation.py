@@ -204,6 +204,7 @@ def test_plain_generate_untouched_by_wrapping():
         (dict(force_words_ids=[[5]]), "constrained beam search"),
         (dict(token_healing=True), "token_healing"),
         (dict(cache_implementation="offloaded"), "cache_implementation"),
+        (dict(past_key_values=DynamicCache()), "keeps the caches of its last call"),
     ],
 )
 def test_unsupported_inputs_raise_clear_errors(kwargs, match):

@@ -7,7 +7,7 @@ import pytest
 import torch
 from conftest import tiny_target
 from test_generation import make_assistant, plain
-from test_suffix import hybrid_assistant, oracle_corpus
+from test_suffix import hybrid_assistant, oracle_corpus, suffix_assistant
 
 from transformers_confu import ConFuAssistant, ConFuDraftConfig
 
@@ -22,18 +22,21 @@ def turn(seed: int, n: int = 5) -> torch.Tensor:
     return torch.randint(1, 128, (1, n), generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.mark.parametrize("kind", ["eagle3", "confu-prior", "confu-f-entry", "hybrid"])
+@pytest.mark.parametrize("kind", ["eagle3", "confu-prior", "confu-f-entry", "hybrid", "suffix"])
 def test_next_turns_reuse_the_last_calls_caches_and_equal_plain_generate(kind):
     """Three turns: each prompt is the last output plus a new request; the second and third prefill only what is
-    new (at least the earlier prompt is reused), and every output is plain generate's on the whole prompt."""
+    new (at least the earlier prompt is reused; without a draft, all of the last output but its last token), and
+    every output is plain generate's on the whole prompt."""
     target = tiny_target()
     ids = turn(0, 8)
     calls = dict(max_new_tokens=20)
-    if kind == "hybrid":  # a corpus of the target's own answers: long accepted blocks, rounds cut by the length
+    if kind in ("hybrid", "suffix"):  # a corpus of the target's own answers: long accepted blocks
         prompts = [ids]
         for seed in (1, 2):
             prompts.append(torch.cat([plain(target, prompts[-1], max_new_tokens=20), turn(seed)], 1))
-        assistant = hybrid_assistant(target, oracle_corpus(target, prompts, 20), depth=2, top_k=1, total_tokens=8)
+        corpus = oracle_corpus(target, prompts, 20)
+        assistant = (suffix_assistant(target, corpus) if kind == "suffix" else
+                     hybrid_assistant(target, corpus, depth=2, top_k=1, total_tokens=8))
     else:
         assistant = (make_assistant(target, depth=2, top_k=2, total_tokens=5) if kind == "eagle3" else
                      confu(target, kind == "confu-f-entry", 0.0 if kind == "confu-f-entry" else 0.5))
@@ -46,18 +49,21 @@ def test_next_turns_reuse_the_last_calls_caches_and_equal_plain_generate(kind):
         out = target.generate(prompt, do_sample=False, assistant_model=assistant, **calls)
         assert torch.equal(out, plain(target, prompt, max_new_tokens=20)), f"turn {step}"
         stats = assistant.stats
-        assert stats.reused_tokens == 0 if step == 0 else before - 10 <= stats.reused_tokens <= before - 1
-    if kind == "hybrid":
+        low = before - 1 if kind == "suffix" else before - 10
+        assert stats.reused_tokens == 0 if step == 0 else low <= stats.reused_tokens <= before - 1
+    if kind in ("hybrid", "suffix"):
         assert stats.mean_accepted_tokens > 3
     if kind.startswith("confu"):
         assert stats.fresh_futures > 0
 
 
-def test_only_the_common_prefix_is_reused():
+@pytest.mark.parametrize("kind", ["eagle3", "suffix"])
+def test_only_the_common_prefix_is_reused(kind):
     """An edited earlier turn reuses the caches up to the edit; another prompt reuses nothing; hidden states and the
     static mode run the whole prompt."""
     target = tiny_target()
-    assistant = make_assistant(target, depth=2, top_k=2, total_tokens=5)
+    assistant = suffix_assistant(target) if kind == "suffix" else make_assistant(target, depth=2, top_k=2,
+                                                                                  total_tokens=5)
     first = target.generate(turn(0, 10), max_new_tokens=12, do_sample=False, assistant_model=assistant)
     edited = first.clone()
     edited[0, 6] = (edited[0, 6] + 1) % 128

@@ -558,6 +558,10 @@ def _generation_config(target: PreTrainedModel, kwargs: dict[str, Any]) -> Gener
     config.update(**target.generation_config._get_default_generation_params(), defaults_only=True)
     unused = config.update(**kwargs)
     unused.pop("use_cache", None)
+    if "past_key_values" in unused:
+        raise TypeError("past_key_values is not taken with an assistant: it keeps the caches of its last call itself "
+                        "and reuses them where the next prompt begins with that call's sequence (a chat's next turn); "
+                        "pass the whole sequence as input_ids and leave past_key_values out.")
     if unused:
         raise TypeError(f"Unsupported generate() arguments with a ConFu assistant: {sorted(unused)}.")
     for name, neutral in _UNSUPPORTED.items():

@@ -144,9 +144,10 @@ def _stack(rows: list[torch.Tensor | None], like: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class KeptCaches:
-    """What an eager batch-1 call leaves for the next one (a `ConFuAssistant` keeps one): its sequence `tokens`
-    (1, S) on the host, the target's cache (`offset` soft-prompt entries first) and the draft's, whose first
-    `length` entries hold positions 0 .. length - 1 (the draft lags the target by its last round)."""
+    """What an eager batch-1 call leaves for the next one (a `ConFuAssistant` or `SuffixAssistant` keeps one): its
+    sequence `tokens` (1, S) on the host, the target's cache (`offset` soft-prompt entries first) and the draft's
+    (None without a draft), whose first `length` entries hold positions 0 .. length - 1 (a draft lags the target by
+    its last round; without one, `length` is the target's S - 1)."""
 
     tokens: torch.LongTensor = field(default_factory=lambda: torch.zeros(1, 0, dtype=torch.long))
     target: Cache | None = None
@@ -178,8 +179,10 @@ class KeptCaches:
         reused, cache = self.reusable(input_ids, offset, weights), None
         if reused:
             truncate_cache(self.target, offset + reused)
-            truncate_cache(self.draft, reused)
-            cache, drafter.cache = self.target, self.draft
+            cache = self.target
+            if self.draft is not None:
+                truncate_cache(self.draft, reused)
+                drafter.cache = self.draft
         self.clear()
         self.weights = weights  # what `leave` keeps them under
         return reused, cache
@@ -187,7 +190,8 @@ class KeptCaches:
     def leave(self, output: torch.LongTensor, cache: Cache, drafter: TreeDrafter, offset: int) -> None:
         """Keep a finished call's sequence and caches (the target's `weights` were read by `take`)."""
         self.tokens, self.target, self.draft = output, cache, drafter.cache
-        self.offset, self.length = offset, int(drafter.filled)
+        self.offset = offset
+        self.length = output.shape[1] - 1 if self.draft is None else int(drafter.filled)
 
 
 def weights_key(model: torch.nn.Module) -> tuple:

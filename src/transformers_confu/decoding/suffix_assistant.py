@@ -32,7 +32,7 @@ from .assistant import (
     wrap_generate,
 )
 from .batched import generate_batch, is_batch
-from .generation import SpeculativeStats, TreeBudget, speculative_generate
+from .generation import KeptCaches, SpeculativeStats, TreeBudget, speculative_generate
 from .processing import node_processing
 from .suffix import CorpusIndex, SuffixProposer, load_proposer
 from .tree import DraftTree, suffix_tree
@@ -45,6 +45,7 @@ class SuffixDrafter:
     """The decoding loop's drafter without a draft: each tree holds suffix candidates alone."""
 
     d2t = None  # no draft vocabulary: every child is a point-mass proposal
+    cache = None  # no draft cache (what `KeptCaches` keeps of a draft)
 
     def __init__(self, proposer: SuffixProposer, total_tokens: int, pad: bool,
                  costs: dict[int, float] | None = None) -> None:
@@ -79,7 +80,8 @@ class SuffixAssistant(RoutedAssistant):
         **settings: `SuffixProposer` options (`max_depth`, `branch`, `max_match`, ...).
 
     Attributes: `proposer` (the `SuffixProposer`), `budget` (its tree bounds), `stats` (`SpeculativeStats` of the
-    last call; a `batched.BatchStats` for a batch).
+    last call; a `batched.BatchStats` for a batch), `kept_caches` (the last eager batch-1 call's target cache,
+    reused by a next call that continues its sequence, e.g. a chat's next turn; `kept_caches.clear()` drops it).
     """
 
     build = "`SuffixAssistant(model)`"
@@ -97,6 +99,7 @@ class SuffixAssistant(RoutedAssistant):
         self.target, self.total_tokens = model, total_tokens
         self.stats = SpeculativeStats()
         self._static: dict | None = None
+        self.kept_caches = KeptCaches()
         wrap_generate(model)
 
     @property
@@ -135,7 +138,8 @@ class SuffixAssistant(RoutedAssistant):
         processing = node_processing(target, config, input_ids, input_ids.shape[1] + max_new, **options)[0]
         output = speculative_generate(target, SuffixDrafter(self.proposer, total, static is not None, costs), layers,
                                       input_ids, config, max_new, self.stats, tokenizer, streamer, static=static,
-                                      processing=processing, record=record, stopping=stopping)
+                                      processing=processing, record=record, stopping=stopping,
+                                      kept=self.kept_caches)
         self.stats.suffix_seconds = self.proposer.seconds
         return returned(output, config, record)
 
