@@ -111,3 +111,15 @@ def test_a_call_that_fails_half_way_leaves_no_caches():
                         stopping_criteria=StoppingCriteriaList([Fails()]))
     out = target.generate(nxt, max_new_tokens=10, do_sample=False, assistant_model=assistant)
     assert torch.equal(out, plain(target, nxt, max_new_tokens=10)) and assistant.stats.reused_tokens == 0
+
+
+def test_no_caches_kept_when_turned_off():
+    """`kept_caches = None`: a chat's next turn prefills its whole prompt, and nothing holds the last call's caches."""
+    target = tiny_target()
+    assistant = suffix_assistant(target)
+    assistant.kept_caches = None
+    first = target.generate(turn(0, 8), max_new_tokens=10, do_sample=False, assistant_model=assistant)
+    nxt = torch.cat([first, turn(1)], 1)
+    out = target.generate(nxt, max_new_tokens=10, do_sample=False, assistant_model=assistant)
+    assert torch.equal(out, plain(target, nxt, max_new_tokens=10))
+    assert assistant.stats.reused_tokens == 0 and assistant.kept_caches is None

@@ -95,6 +95,9 @@ class ConFuAssistant(RoutedAssistant):
             `tree_top_k=` (None: `budget.top_k`); `from_pretrained` takes it from the hybrid budget saved with a
             suffix corpus, where one is saved.
         stats: `SpeculativeStats` of the last `generate` call.
+        kept_caches: the target's and the draft's caches of the last eager batch-1 call (`generation.KeptCaches`),
+            reused by a next call whose prompt continues its sequence (a chat's next turn); `kept_caches.clear()`
+            drops them, `kept_caches = None` keeps none (each call's caches are freed when it returns).
         config: the target's config (`RoutedAssistant`: what a pipeline checks); the draft's is `draft.config`.
         adapter: ConFu's `ContemplateAdapter` for the target (drafts with `contemplate=True`), else None.
         contemplate_nodes: ConFu: how many tree nodes get a `[con]` (None: all, 0: none, i.e. the draft without

@@ -81,7 +81,8 @@ class SuffixAssistant(RoutedAssistant):
 
     Attributes: `proposer` (the `SuffixProposer`), `budget` (its tree bounds), `stats` (`SpeculativeStats` of the
     last call; a `batched.BatchStats` for a batch), `kept_caches` (the last eager batch-1 call's target cache,
-    reused by a next call that continues its sequence, e.g. a chat's next turn; `kept_caches.clear()` drops it).
+    reused by a next call that continues its sequence, e.g. a chat's next turn; `kept_caches.clear()` drops it,
+    `kept_caches = None` keeps none).
     """
 
     build = "`SuffixAssistant(model)`"
