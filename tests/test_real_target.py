@@ -82,6 +82,26 @@ def test_real_target_scores_logits_and_hidden_states_as_plain_generate(real):
             torch.testing.assert_close(a, b, atol=2e-3, rtol=1e-4)
 
 
+def test_real_target_attentions_as_plain_generate(real):
+    """`output_attentions` with eager attention: per new token plain `generate`'s weights over the positions before
+    it (a ConFu folder's soft prompt left out), to the float error of a tree pass."""
+    model, tokenizer, assistant = real
+    ids = chat_input_ids(tokenizer, ["Name two oceans."])
+    kwargs = dict(max_new_tokens=24, do_sample=False, return_dict_in_generate=True, output_attentions=True)
+    model.set_attn_implementation("eager")
+    try:
+        ref = model.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
+        out = model.generate(ids, assistant_model=assistant, **kwargs)
+    finally:
+        model.set_attn_implementation("sdpa")
+    assert torch.equal(out.sequences, ref.sequences) and assistant.stats.mean_accepted_tokens > 1
+    assert len(out.attentions) == len(ref.attentions) == ref.sequences.shape[1] - ids.shape[1]
+    for ours, theirs in zip(out.attentions, ref.attentions):
+        assert len(ours) == len(theirs) == model.config.num_hidden_layers
+        for a, b in zip(ours, theirs):
+            torch.testing.assert_close(a, b, atol=2e-3, rtol=1e-4)
+
+
 def test_real_target_next_turn_reuses_the_first_turns_caches(real):
     """A chat's second turn continues the first call's sequence: most of its prompt comes from the kept caches and
     the answer is plain generate's."""

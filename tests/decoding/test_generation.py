@@ -198,7 +198,8 @@ def test_plain_generate_untouched_by_wrapping():
         (dict(stop_strings=["x"]), "tokenizer"),
         (dict(tree_total_tokens=0), "Tree budget"),
         (dict(tree_top_k=65), "exceeds the draft vocabulary"),
-        (dict(return_dict_in_generate=True, output_attentions=True), "output_attentions"),
+        (dict(return_dict_in_generate=True, output_attentions=True, cache_implementation="static"),
+         "output_attentions"),
         (dict(penalty_alpha=0.6, top_k=4), "contrastive search"),  # plain generate would fetch it from the Hub
         (dict(dola_layers="low"), "dola generation"),
         (dict(force_words_ids=[[5]]), "constrained beam search"),

@@ -295,3 +295,52 @@ def test_batched_hidden_states_match_plain_batched_generate(mode):
     assert ends[0] == 7 and max(ends) == 16
     assert_same_hidden_states(out, ref, ends, mask)
     assert all(not layer[0].any() for step in out.hidden_states[7:] for layer in step)  # row 0 ended: zeros
+
+
+ATTENTIONS = dict(return_dict_in_generate=True, output_attentions=True)
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "confu", "suffix", "hybrid"])
+def test_attentions_match_plain_generate(kind):
+    """`output_attentions` (an eager-attention target): the prompt step's (1, heads, T, T) and each new token's
+    (1, heads, 1, K) per layer over the positions before it, as plain generate returns them, also for tokens accepted
+    deep in a tree (its weights over the path's earlier nodes) and beside a ConFu adapter's soft prompt and `[con]`."""
+    target = tiny_target()
+    target.set_attn_implementation("eager")
+    prompts = [torch.randint(0, 128, (1, 6), generator=torch.Generator().manual_seed(s)) for s in range(2)]
+    corpus, extra = oracle_corpus(target, prompts), {}
+    if kind == "confu":
+        config = ConFuDraftConfig.for_target(target, draft_vocab_size=64, contemplate=True)
+        assistant, extra = ConFuAssistant.from_config(config, target, depth=3, top_k=2, total_tokens=6), dict(
+            contemplate_nodes=3)
+    else:
+        assistant = {"eagle3": lambda: make_assistant(target, depth=3, top_k=2, total_tokens=6),
+                     "suffix": lambda: suffix_assistant(target, corpus, total_tokens=8),
+                     "hybrid": lambda: hybrid_assistant(target, corpus, depth=2, top_k=1, total_tokens=8)}[kind]()
+    for ids in prompts:
+        ref = plain(target, ids, max_new_tokens=30, **ATTENTIONS)
+        out = target.generate(ids, max_new_tokens=30, do_sample=False, assistant_model=assistant, **ATTENTIONS,
+                              **extra)
+        assert torch.equal(out.sequences, ref.sequences) and out.scores is None
+        assert kind in ("eagle3", "confu") or assistant.stats.mean_accepted_tokens > 3
+        assert len(out.attentions) == len(ref.attentions) == 30
+        for step, (ours, theirs) in enumerate(zip(out.attentions, ref.attentions)):
+            assert len(ours) == len(theirs) == 4
+            for a, b in zip(ours, theirs):
+                assert a.shape == b.shape == ((1, 4, 6, 6) if step == 0 else (1, 4, 1, 6 + step))
+                torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_attentions_without_weights_and_where_they_are_refused():
+    """An sdpa target returns no attention weights: an empty tuple per step, as plain generate's; batches and the
+    static mode refuse `output_attentions` with a clear error."""
+    target = tiny_target()
+    assistant = make_assistant(target, depth=2, top_k=2, total_tokens=5)
+    ids = torch.randint(0, 128, (1, 6), generator=torch.Generator().manual_seed(0))
+    out = target.generate(ids, max_new_tokens=8, do_sample=False, assistant_model=assistant, **ATTENTIONS)
+    assert out.attentions == plain(target, ids, max_new_tokens=8, **ATTENTIONS).attentions == ((),) * 8
+    batch, mask = left_padded(2, [4, 6])
+    with pytest.raises(ValueError, match="one prompt at a time"):
+        target.generate(batch, attention_mask=mask, max_new_tokens=4, assistant_model=assistant, **ATTENTIONS)
+    with pytest.raises(ValueError, match="one prompt at a time"):
+        target.generate(ids, max_new_tokens=4, assistant_model=assistant, cache_implementation="static", **ATTENTIONS)

@@ -48,7 +48,6 @@ _UNSUPPORTED = {
     "num_beams": (None, 1),
     "guidance_scale": (None, 1.0),
     "watermarking_config": (None,),
-    "output_attentions": (None, False),
     "token_healing": (None, False),
 }
 # generate()'s decoding modes this loop reproduces; assisted generation is what prompt lookup, MTP or early exit
@@ -296,9 +295,9 @@ class ConFuAssistant(RoutedAssistant):
         max_new = _max_new_tokens(config, input_ids.shape[1], budget, target)
         input_ids, mask = sequence_copies(input_ids, mask, config)
         batched = batched or input_ids.shape[0] > 1
-        record = score_record(config)
-        parts = {}
-        if uses_static_cache(config, "ConFu"):
+        static = uses_static_cache(config, "ConFu")
+        record, parts = score_record(config, batched, static), {}
+        if static:
             parts = self._static_parts(config, input_ids.shape[1] + max_new, budget,
                                        input_ids.shape[0] if batched else None)
         if batched:  # B > 1 or left padding: batched.py
@@ -596,12 +595,16 @@ def sequence_copies(input_ids: torch.LongTensor, mask: torch.Tensor | None, conf
     return input_ids.repeat_interleave(copies, 0), mask.repeat_interleave(copies, 0)
 
 
-def score_record(config: GenerationConfig) -> StepScores | None:
-    """Where a call's `output_scores` / `output_logits` / `output_hidden_states` go (None where it asks for none, or
-    returns no dict, as `generate` then returns the sequences alone)."""
-    asked = [config.output_scores, config.output_logits, config.output_hidden_states]
+def score_record(config: GenerationConfig, batched: bool = False, static: bool = False) -> StepScores | None:
+    """Where a call's `output_scores` / `output_logits` / `output_hidden_states` / `output_attentions` go (None where
+    it asks for none, or returns no dict, as `generate` then returns the sequences alone). Attentions are recorded
+    by the eager loop of one prompt only: refused for a batch (`batched`) or in the static mode (`static`)."""
+    asked = [config.output_scores, config.output_logits, config.output_hidden_states, config.output_attentions]
     if not (config.return_dict_in_generate and any(asked)):
         return None
+    if config.output_attentions and (batched or static):
+        raise ValueError("output_attentions is recorded for one prompt at a time in the eager loop: pass one unpadded "
+                         "prompt without cache_implementation='static', or leave output_attentions out.")
     return StepScores(*([] if wanted else None for wanted in asked))
 
 

@@ -95,25 +95,30 @@ class SpeculativeStats:
 
 @dataclass
 class StepScores:
-    """`generate`'s `output_scores`, `output_logits` and `output_hidden_states`: for each new token, the (1, V)
-    float32 scores it was picked from (the target's logits after the call's processors and warpers), the target's
-    raw logits, and the target's hidden states where it was picked (a tuple over the embeddings and every layer of
-    (1, L, H) tensors: L the prompt's length for the first new token, 1 after it); a list is None where the call
-    did not ask for it."""
+    """`generate`'s `output_scores`, `output_logits`, `output_hidden_states` and `output_attentions`: for each new
+    token, the (1, V) float32 scores it was picked from (the target's logits after the call's processors and
+    warpers), the target's raw logits, the target's hidden states where it was picked (a tuple over the embeddings and
+    every layer of (1, L, H) tensors: L the prompt's length for the first new token, 1 after it) and its attention
+    weights there (a tuple over the layers of (1, heads, L, K) tensors, K the positions attended: L for the first new
+    token, then one more each step; empty where the target's attention returns none, as sdpa's); a list is None where
+    the call did not ask for it."""
 
     scores: list[torch.Tensor] | None = None
     logits: list[torch.Tensor] | None = None
     hidden_states: list[tuple[torch.Tensor, ...]] | None = None
-    KINDS = ("scores", "logits", "hidden_states")
+    attentions: list[tuple[torch.Tensor, ...]] | None = None
+    KINDS = ("scores", "logits", "hidden_states", "attentions")
 
     def add(self, scores: torch.Tensor, logits: torch.Tensor,
-            hidden_states: list[tuple[torch.Tensor, ...]] | None = None) -> None:
-        """Record the (n, V) `scores` and `logits` of n new tokens, and their n `hidden_states`."""
+            hidden_states: list[tuple[torch.Tensor, ...]] | None = None,
+            attentions: list[tuple[torch.Tensor, ...]] | None = None) -> None:
+        """Record the (n, V) `scores` and `logits` of n new tokens, and their n `hidden_states` and `attentions`."""
         for kept, rows in ((self.scores, scores), (self.logits, logits)):
             if kept is not None:
                 kept.extend(rows.to(torch.float32, copy=True).split(1))
-        if self.hidden_states is not None:
-            self.hidden_states.extend(hidden_states)
+        for kept, steps in ((self.hidden_states, hidden_states), (self.attentions, attentions)):
+            if kept is not None:
+                kept.extend(steps)
 
     def like(self) -> "StepScores":
         """An empty record of the same kinds."""
@@ -206,6 +211,17 @@ def node_states(layers: tuple[torch.Tensor, ...], row: int, nodes: torch.Tensor)
     return [tuple(states[k][None, None] for states in picked) for k in range(len(nodes))]
 
 
+def node_attentions(layers: tuple[torch.Tensor, ...], length: int, offset: int, path: torch.Tensor
+                    ) -> list[tuple[torch.Tensor, ...]]:
+    """Per node of the accepted `path` (root first), a tree pass's attention weights `layers` ((1, heads, N, K) each;
+    the cached positions 0 .. length - 1 at keys `offset`...) as a one-token step of `generate` has them: a tuple of
+    (1, heads, 1, length + j + 1) tensors for the j-th node, over the cached positions and the path up to that node
+    (the only keys a path node sees, besides the soft prompt, which it gives no weight)."""
+    keys = torch.cat([torch.arange(offset, offset + length, device=path.device), offset + length + path])
+    return [tuple(weights[:, :, node, keys[: length + j + 1]][:, :, None] for weights in layers)
+            for j, node in enumerate(path.tolist())]
+
+
 def stopping_criteria(target: PreTrainedModel, config: GenerationConfig, max_length: int, tokenizer=None,
                       custom: StoppingCriteriaList | None = None) -> StoppingCriteriaList:
     """The stopping criteria `generate` builds for `config` with outputs up to `max_length` (transformers'
@@ -245,9 +261,11 @@ class _Target:
 
     def __init__(self, model: PreTrainedModel, feature_layers: list[int],
                  adapter: ContemplateAdapter | None = None, static: StaticTarget | None = None,
-                 con_logits: bool = False, keep_hidden: bool = False, cache: Cache | None = None) -> None:
+                 con_logits: bool = False, keep_hidden: bool = False, cache: Cache | None = None,
+                 keep_attentions: bool = False) -> None:
         self.model, self.layers, self.adapter, self.con_logits = model, feature_layers, adapter, con_logits
         self.keep_hidden, self.hidden = keep_hidden, None  # the last pass's hidden states, every layer
+        self.keep_attentions, self.attentions = keep_attentions, None  # and its attention weights
         self.offset = 0 if adapter is None else adapter.num_soft_tokens
         if cache is None:  # else a kept one, soft prompt included
             cache = DynamicCache(config=model.config) if static is None else static.cache
@@ -260,8 +278,11 @@ class _Target:
 
     def _forward(self, call, keep, **inputs) -> tuple[torch.Tensor, torch.Tensor]:
         kwargs = {**self.kwargs, "logits_to_keep": keep} if self.keeps_logits else self.kwargs
+        if self.keep_attentions:
+            kwargs = {**kwargs, "output_attentions": True}
         out = call(**inputs, use_cache=True, output_hidden_states=True, **kwargs)
         self.hidden = out.hidden_states if self.keep_hidden else None
+        self.attentions = tuple(w for w in out.attentions or () if w is not None) if self.keep_attentions else None
         logits = out.logits[0]
         if not self.keeps_logits:
             logits = logits[keep] if torch.is_tensor(keep) else logits[-keep:]
@@ -359,7 +380,7 @@ def speculative_generate(
     (compiled) calls; the drafter holds its own. `processing`: the logits processing of the call (default: the
     one `config` asks for); with any beyond greedy's none or sampling's token-free warpers, a round also reads the
     tree on the host. `record`: where each new token's scores, logits and hidden states go (`output_scores`,
-    `output_logits`, `output_hidden_states`).
+    `output_logits`, `output_hidden_states`, `output_attentions`; the last two not with `static`).
     `stopping`: the call's own stopping criteria (`stopping_criteria=`), beside `generate`'s. `kept` (eager): the
     caches the last call left, reused where this prompt begins with its sequence, and replaced by this call's.
 
@@ -375,11 +396,14 @@ def speculative_generate(
     mix = adapter is not None and future_logit_weight > 0
     entry = adapter is not None and drafter.draft.config.has_future_entry
     keep_hidden = record is not None and record.hidden_states is not None
+    keep_attentions = record is not None and record.attentions is not None
     offset = 0 if adapter is None else adapter.num_soft_tokens
-    kept = None if static is not None or keep_hidden else kept  # the prompt step's hidden states need the whole pass
+    # the prompt step's hidden states and attentions need the whole pass
+    kept = None if static is not None or keep_hidden or keep_attentions else kept
     reused, cache = (0, None) if kept is None else kept.take(input_ids, offset, target, drafter)
     stats.reused_tokens = reused
-    verify = _Target(target, feature_layers, adapter, static, con_logits=mix, keep_hidden=keep_hidden, cache=cache)
+    verify = _Target(target, feature_layers, adapter, static, con_logits=mix, keep_hidden=keep_hidden, cache=cache,
+                     keep_attentions=keep_attentions)
     compiled = verify.keep_call is not None
     if streamer is not None:
         streamer.put(input_ids.cpu())
@@ -393,7 +417,8 @@ def speculative_generate(
     seen = None if record is None or not stopping else record.scores
     output, stopped = _append(output, [int(root)], criteria, streamer, seen, first)
     if record is not None:
-        record.add(first, logits[-1:], [verify.hidden])
+        record.add(first, logits[-1:], [verify.hidden],
+                   [tuple(w[..., offset:] for w in verify.attentions)] if keep_attentions else None)
     next_ids = torch.cat([input_ids[:, reused + 1 :], root.view(1, 1)], dim=1)
     feats, state, length, count = features, features[0, -1], prompt_len, None
     # the length as the fixed-shape calls see it: a host int, or in static mode a device scalar (no recompiles)
@@ -450,7 +475,8 @@ def speculative_generate(
         output, stopped = _append(output, accepted, criteria, streamer, seen, None if seen is None else scores[path])
         if record is not None:
             nodes = path[: output.shape[1] - before]
-            record.add(scores[nodes], logits[nodes], node_states(verify.hidden, 0, nodes) if keep_hidden else None)
+            record.add(scores[nodes], logits[nodes], node_states(verify.hidden, 0, nodes) if keep_hidden else None,
+                       node_attentions(verify.attentions, length, offset, nodes) if keep_attentions else None)
         feats, state = features[:, path], features[0, last[0]]
         length, at = length + n, at + count
     if streamer is not None:

@@ -123,8 +123,9 @@ class SuffixAssistant(RoutedAssistant):
         max_new = _max_new_tokens(config, input_ids.shape[1], budget, target)
         input_ids, mask = sequence_copies(input_ids, mask, config)
         batched = batched or input_ids.shape[0] > 1
-        record, static = score_record(config), None
-        if uses_static_cache(config, "suffix"):
+        wants_static = uses_static_cache(config, "suffix")
+        record, static = score_record(config, batched, wants_static), None
+        if wants_static:
             self._static = static_parts(target, config, input_ids.shape[1] + max_new + 2 * total + 2, self._static,
                                         False, input_ids.shape[0] if batched else None)
             static = self._static["target"]
