@@ -15,6 +15,7 @@ from transformers_confu import ConFuAssistant, ConFuDraftConfig, SuffixAssistant
 from transformers_confu.decoding.generation import SpeculativeStats, speculative_generate
 from transformers_confu.decoding.oracle import OracleDrafter
 from transformers_confu.decoding.processing import NodeProcessing, node_prefixes, node_processing
+from transformers_confu.decoding.suffix import SuffixProposer
 from transformers_confu.decoding.tree import DraftTree
 
 EOS = 3
@@ -114,6 +115,48 @@ def test_deep_nodes_are_processed_with_their_own_prefix(options, monkeypatch):
             patch.setattr(processing, "node_prefixes", lambda context, tree: [context] * len(tree))
             wrong += not torch.equal(oracle_run(target, ids, ref, **options)[0], ref)
     assert wrong >= 2
+
+
+def test_allows_finds_the_bans_that_depend_on_the_ids_alone():
+    """`NodeProcessing.allows`: an n-gram ban (also deep in a path), a banned word and the EOS before
+    `min_new_tokens` reject their token; a repetition penalty rejects nothing."""
+    import numpy as np
+
+    target = tiny_target()
+    ids = torch.tensor([[1, 2, 3, 1, 2]])
+    context = ids[0].numpy()
+    settings = dict(no_repeat_ngram_size=3, bad_words_ids=[[9]], min_new_tokens=4, eos_token_id=7)
+    row = node_processing(target, GenerationConfig(**settings), ids, 40)[0]
+    assert not row.allows(context, (3,)) and row.allows(context, (4,))
+    assert not row.allows(context, (4, 9)) and not row.allows(context, (5, 7)) and row.allows(context, (5, 6))
+    assert not row.allows(np.array([1, 2, 4, 2]), (4, 2, 4))  # the path's own tokens repeat (2, 4)
+    penalty = node_processing(target, GenerationConfig(repetition_penalty=1.5), ids, 40)[0]
+    assert all(penalty.allows(context, (token,)) for token in range(128))
+
+
+def test_banned_suffix_candidates_are_left_out(monkeypatch):
+    """Under `no_repeat_ngram_size` a repetitive sequence's own continuations repeat its n-grams: the proposer leaves
+    out the candidates the processors ban, so rounds verify fewer nodes for the same output; verifying them anyway
+    (the predicate ignored: negative control) takes more."""
+    from test_suffix import repetitive_prompt
+
+    target = tiny_target()
+    assistant = SuffixAssistant(target, total_tokens=6)
+    verified = {}
+    for setting in ("left out", "verified"):
+        with monkeypatch.context() as patch:
+            if setting == "verified":
+                ignore = SuffixProposer.best_paths
+                patch.setattr(SuffixProposer, "best_paths", lambda self, context, allowed=None: ignore(self, context))
+            verified[setting] = 0
+            for seed in range(4):
+                ids = repetitive_prompt(seed)
+                ref = plain(target, ids, max_new_tokens=24, no_repeat_ngram_size=2)
+                out = target.generate(ids, max_new_tokens=24, do_sample=False, assistant_model=assistant,
+                                      no_repeat_ngram_size=2)
+                assert torch.equal(out, ref), f"{setting}, seed {seed}"
+                verified[setting] += sum(assistant.stats.tree_sizes)
+    assert verified["left out"] < verified["verified"]
 
 
 def test_suffix_assistant_with_processors_matches_plain_generate():

@@ -424,13 +424,14 @@ def speculative_generate(
     # the length as the fixed-shape calls see it: a host int, or in static mode a device scalar (no recompiles)
     at = prompt_len if static is None else torch.tensor(prompt_len, device=input_ids.device)
     future, prior = None, None
+    allowed = processing.allows if processing.per_prefix else None  # suffix candidates the processors ban: left out
     while not stopped:
         if compiled:
             torch.compiler.cudagraph_mark_step_begin()
         # Draft: catch up on the newly accepted tokens, then draft a tree under the last one.
         t0 = time.perf_counter()
         drafter.catch_up(next_ids, feats, at, future, count)
-        tree = drafter.propose(root, at, prior, output[0].numpy())
+        tree = drafter.propose(root, at, prior, output[0].numpy(), allowed)
         ends = len(tree) if contemplate_nodes is None else min(contemplate_nodes, len(tree))
         cons = None if adapter is None else tree.likely_ends(ends)
         t1 = time.perf_counter()

@@ -25,8 +25,9 @@ class OracleDrafter:
         """Nothing to do: the oracle needs no state."""
 
     def propose(self, root: torch.Tensor | int, root_position: int, prior: torch.Tensor | None = None,
-                context=None) -> DraftTree:
-        """The true continuation under `root` (a `prior` or the `context` change nothing: the oracle knows)."""
+                context=None, allowed=None) -> DraftTree:
+        """The true continuation under `root` (a `prior`, the `context` or what is `allowed` change nothing: the
+        oracle knows)."""
         chain = self.reference[root_position + 1 : root_position + 1 + self.depth]
         tokens, parents = [int(root)], [-1]
         for token in chain[: self.total_tokens - 1]:

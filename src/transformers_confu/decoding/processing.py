@@ -13,8 +13,10 @@ its (input_ids, scores) row, not on earlier calls.
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Callable
 
+import numpy as np
 import torch
 from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel
 from transformers.generation.logits_process import (
@@ -47,15 +49,26 @@ class NodeProcessing:
         per_prefix: the processors up to the last one that reads `input_ids`, run on each node with its prefix.
         token_free: the rest (`TOKEN_FREE`), run once on all nodes.
         sample: whether tokens are drawn (else the argmax is taken).
+        vocab_size, device: the scores' width and device (what `allows` builds its row with).
     """
 
-    def __init__(self, processors: LogitsProcessorList, sample: bool) -> None:
+    def __init__(self, processors: LogitsProcessorList, sample: bool, vocab_size: int | None = None,
+                 device: torch.device | str = "cpu") -> None:
         split = len(processors)
         while split and isinstance(processors[split - 1], TOKEN_FREE):
             split -= 1
         self.per_prefix = LogitsProcessorList(processors[:split])
         self.token_free = LogitsProcessorList(processors[split:])
-        self.sample = sample
+        self.sample, self.vocab_size, self.device = sample, vocab_size, device
+
+    def allows(self, context: np.ndarray, path: tuple[int, ...]) -> bool:
+        """Whether the processors that read ids (`per_prefix`) leave the last token of `path` possible after
+        `context` (root last) and the path's earlier tokens: a row of zeros processed there is not -inf at it. Bans
+        that depend on the ids alone (`no_repeat_ngram_size`, `bad_words_ids`, `min_new_tokens`, forced tokens,
+        `prefix_allowed_tokens_fn`) are found; a token it rejects is never accepted, so a tree need not verify it."""
+        ids = torch.as_tensor(np.concatenate([context, np.asarray(path[:-1], dtype=context.dtype)]), device=self.device)
+        scores = self.per_prefix(ids[None], torch.zeros(1, self.vocab_size, device=self.device))
+        return bool(scores[0, path[-1]] > -math.inf)
 
     def scores(self, logits: torch.Tensor, context: torch.LongTensor, tree: DraftTree | None = None) -> torch.Tensor:
         """(N, V) logits at the nodes of `tree` (or (1, V) at the end of `context` alone) -> the scores `generate`
@@ -119,8 +132,14 @@ def node_processing(target: PreTrainedModel, config: GenerationConfig, input_ids
             config, input_ids_seq_length=input_ids.shape[1], prefix_allowed_tokens_fn=allowed,
             logits_processor=logits_processor, device=input_ids.device,
             model_kwargs=None if mask is None else {"attention_mask": mask})
-        rows.append(NodeProcessing(processors, config.do_sample))
+        rows.append(NodeProcessing(processors, config.do_sample, _vocab_size(target), input_ids.device))
     return rows
+
+
+def _vocab_size(target: PreTrainedModel) -> int:
+    """The width of the target's logits."""
+    head = target.get_output_embeddings()
+    return target.config.get_text_config().vocab_size if head is None else head.weight.shape[0]
 
 
 def _as_row(prefix_allowed_tokens_fn: Callable[[int, torch.Tensor], list[int]], row: int

@@ -22,7 +22,7 @@ import json
 import math
 import time
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -34,6 +34,7 @@ from ..models.target import CONFU_DRAFT
 from .suffix_index import CorpusIndex, SequenceIndex
 
 SOURCES = ("sequence", "corpus")
+Allowed = Callable[[np.ndarray, tuple[int, ...]], bool]  # (context, path) -> whether the path's last token can follow
 MATCH_BINS = (1, 2, 3, 4, 6, 8, 12)  # lower edges of the match-length buckets
 SHARE_BINS = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)  # lower edges of the count-share buckets (last: all occurrences agree)
 SUPPORT_BINS = (1, 2, 3, 5, 9, 33)  # lower edges of the support buckets (occurrences under the parent)
@@ -158,9 +159,11 @@ class SuffixProposer:
                 found.append((1, length, self.corpus.continuations(starts, self.max_depth), total / starts.size))
         return found
 
-    def best_paths(self, context: np.ndarray) -> dict[tuple[int, ...], float]:
+    def best_paths(self, context: np.ndarray, allowed: Allowed | None = None) -> dict[tuple[int, ...], float]:
         """The best `max_nodes` candidate paths (token tuples) with their log acceptance estimates, both sources
-        merged (a path keeps its better estimate), at most `branch` children per path, best first.
+        merged (a path keeps its better estimate), at most `branch` children per path, best first. `allowed`:
+        a predicate (context, path) -> whether the path's last token can follow (the call's logits processors);
+        a path it rejects is left out with its children.
 
         Best-first: a path's children are scored only once it is taken (a child never scores above its parent,
         so this takes exactly the best paths, parents before children)."""
@@ -182,7 +185,7 @@ class SuffixProposer:
         while heap and len(taken) < self.max_nodes:
             negative, _, path, t = heapq.heappop(heap)
             if path not in taken:  # else: the other source's estimate of it, lower; its children may still count
-                if kids[path[:-1]] == self.branch:
+                if kids[path[:-1]] == self.branch or (allowed is not None and not allowed(context, path)):
                     continue
                 kids[path[:-1]] += 1
                 taken[path] = -negative
@@ -190,11 +193,11 @@ class SuffixProposer:
         return taken
 
     def candidates(self, context: Sequence[int] | np.ndarray, device: torch.device | str = "cpu",
-                   pad: bool = False) -> SuffixCandidates:
-        """The best `max_nodes` paths' nodes for `context` (its last token is the root); `pad`: always S
-        entries (static shapes), the missing ones with score -inf under the root."""
+                   pad: bool = False, allowed: Allowed | None = None) -> SuffixCandidates:
+        """The best `max_nodes` paths' nodes for `context` (its last token is the root), those `allowed` (see
+        `best_paths`); `pad`: always S entries (static shapes), the missing ones with score -inf under the root."""
         start = time.perf_counter()
-        paths = self.best_paths(np.asarray(context))
+        paths = self.best_paths(np.asarray(context), allowed)
         index: dict[tuple[int, ...], int] = {}
         rank: dict[tuple[int, ...], int] = defaultdict(int)
         tokens, parents, scores, ranks, depths = [], [], [], [], []

@@ -55,9 +55,9 @@ class SuffixDrafter:
     def catch_up(self, next_ids, features, length, future=None, count=None) -> None:
         """Nothing to feed: the proposer reads the context in `propose`."""
 
-    def propose(self, root: torch.Tensor | int, root_position, prior=None, context=None) -> DraftTree:
+    def propose(self, root: torch.Tensor | int, root_position, prior=None, context=None, allowed=None) -> DraftTree:
         device = root.device if torch.is_tensor(root) else "cpu"
-        candidates = self.proposer.candidates(context, device, self.pad)
+        candidates = self.proposer.candidates(context, device, self.pad, allowed)
         return suffix_tree(root, candidates, self.total_tokens, self.pad, self.costs)
 
 

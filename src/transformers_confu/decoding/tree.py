@@ -391,10 +391,12 @@ class TreeDrafter:
 
     @torch.no_grad()
     def propose(self, root: torch.Tensor | int, root_position: int | torch.Tensor,
-                prior: torch.Tensor | None = None, context=None) -> DraftTree:
+                prior: torch.Tensor | None = None, context=None, allowed=None) -> DraftTree:
         """Draft a tree under `root` (at `root_position` in the target sequence); `prior` as in `draft_tree`;
-        `context`: the host's token ids so far, root last (read by the suffix proposer only)."""
-        extra = None if self.suffix is None else self.suffix.candidates(context, self.hidden.device, self.pad)
+        `context`: the host's token ids so far, root last, and `allowed` (`SuffixProposer.best_paths`) are read by
+        the suffix proposer only."""
+        extra = None if self.suffix is None else self.suffix.candidates(context, self.hidden.device, self.pad,
+                                                                         allowed)
         return self._propose(self.draft, self.cache, self.length, self.hidden, root, root_position, self.depth,
                              self.top_k, self.total_tokens, self.temperature, self._future_slot, prior, extra,
                              self.pad, self.costs)
