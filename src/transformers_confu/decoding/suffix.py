@@ -182,10 +182,14 @@ class SuffixProposer:
             expand(t, (), 0.0)
         taken: dict[tuple[int, ...], float] = {}
         kids: dict[tuple[int, ...], int] = defaultdict(int)
+        banned: set[tuple[int, ...]] = set()  # rejected by `allowed`: checked once, though both sources find it
         while heap and len(taken) < self.max_nodes:
             negative, _, path, t = heapq.heappop(heap)
             if path not in taken:  # else: the other source's estimate of it, lower; its children may still count
-                if kids[path[:-1]] == self.branch or (allowed is not None and not allowed(context, path)):
+                if kids[path[:-1]] == self.branch or path in banned:
+                    continue
+                if allowed is not None and not allowed(context, path):
+                    banned.add(path)
                     continue
                 kids[path[:-1]] += 1
                 taken[path] = -negative
