@@ -200,9 +200,9 @@ def test_future_logit_mix_is_lossless_and_reaches_the_first_level(arch, contempl
     assistant = confu_assistant(target, contemplate_nodes=contemplate_nodes, depth=3, top_k=2, total_tokens=6)
     priors, trees, propose = [], [], TreeDrafter.propose
 
-    def spy(self, root, position, prior=None, context=None):
+    def spy(self, root, position, prior=None, context=None, allowed=None):
         priors.append(prior)
-        tree = propose(self, root, position, prior, context)
+        tree = propose(self, root, position, prior, context, allowed)
         trees.append(tree.tokens.tolist())
         return tree
 
@@ -504,8 +504,8 @@ def test_draft_without_future_entry_takes_f_only_as_a_prior(monkeypatch):
     catch_up, propose = TreeDrafter.catch_up, TreeDrafter.propose
     monkeypatch.setattr(TreeDrafter, "catch_up", lambda self, *a, **k: futures.append(a[3] if len(a) > 3 else None)
                         or catch_up(self, *a, **k))
-    monkeypatch.setattr(TreeDrafter, "propose", lambda self, root, at, prior=None, context=None: priors.append(prior)
-                        or propose(self, root, at, prior, context))
+    monkeypatch.setattr(TreeDrafter, "propose", lambda self, root, at, prior=None, context=None, allowed=None:
+                        priors.append(prior) or propose(self, root, at, prior, context, allowed))
     ids = torch.randint(0, 128, (1, 9), generator=torch.Generator().manual_seed(4))
     out = target.generate(ids, max_new_tokens=24, do_sample=False, assistant_model=assistant)
     assert torch.equal(out, plain(target, ids, max_new_tokens=24))
