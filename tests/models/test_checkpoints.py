@@ -86,6 +86,20 @@ def test_latest_complete_checkpoint_skips_torn_ones_and_ignores_other_folders(tm
     assert latest_complete_checkpoint(tmp_path / "absent") is None
 
 
+def test_first_load_of_the_default_target_reads_the_copy_it_wrote(tmp_path, monkeypatch):
+    """The load that builds the de-quantized copy returns the model and tokenizer as later loads do: read from the
+    copy, which they name as their `name_or_path` (where a suffix corpus check finds the tokenizer), not the GGUF's
+    folder."""
+    from transformers_confu.decoding.suffix import target_tokenizer
+
+    monkeypatch.setenv("CONFU_CACHE", str(tmp_path))
+    monkeypatch.setattr(target_module, "_dequantize_gguf", lambda: (tiny_tokenizer(), tiny_target()))
+    model, tokenizer = target_module.load_target()
+    copy = str(target_module._dequantized_copy())
+    assert model.config.name_or_path == copy and tokenizer.name_or_path == copy
+    assert target_tokenizer(model).get_vocab() == tokenizer.get_vocab()
+
+
 def test_torn_dequantized_target_copy_is_rebuilt(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("CONFU_CACHE", str(tmp_path))
     built = []

@@ -53,7 +53,8 @@ def _dequantized_copy() -> Path:
 
 def _load_default_target(torch_dtype: torch.dtype, **kwargs: Any):
     """The de-quantized copy if it is complete; else (first load, or a copy cut by a crash) the GGUF,
-    de-quantized and written to the copy atomically, by one process at a time."""
+    de-quantized and written to the copy atomically, by one process at a time. Either way the model and tokenizer
+    name the copy as their `name_or_path` (where `target_tokenizer` finds the tokenizer), not the GGUF's folder."""
     copy = _dequantized_copy()
     if folder_problem(copy, _COPY_FILES) is not None:
         copy.parent.mkdir(parents=True, exist_ok=True)
@@ -66,7 +67,8 @@ def _load_default_target(torch_dtype: torch.dtype, **kwargs: Any):
                 with atomic_dir(copy) as folder:
                     model.save_pretrained(folder)
                     tokenizer.save_pretrained(folder)
-                return tokenizer, model.to(torch_dtype)
+                model.config.name_or_path = str(copy)
+                return AutoTokenizer.from_pretrained(copy), model.to(torch_dtype)
     return AutoTokenizer.from_pretrained(copy), AutoModelForCausalLM.from_pretrained(copy, dtype=torch_dtype)
 
 
