@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from conftest import tiny_target
@@ -134,6 +136,17 @@ def test_allows_finds_the_bans_that_depend_on_the_ids_alone():
     assert all(penalty.allows(context, (token,)) for token in range(128))
 
 
+@contextlib.contextmanager
+def suffix_bans(monkeypatch, setting: str):
+    """Suffix candidates that the processors ban "left out" (as built) or "verified" (the proposer ignores its
+    `allowed` predicate: the negative control)."""
+    with monkeypatch.context() as patch:
+        if setting == "verified":
+            ignore = SuffixProposer.best_paths
+            patch.setattr(SuffixProposer, "best_paths", lambda self, context, allowed=None: ignore(self, context))
+        yield
+
+
 def test_banned_suffix_candidates_are_left_out(monkeypatch):
     """Under `no_repeat_ngram_size` a repetitive sequence's own continuations repeat its n-grams: the proposer leaves
     out the candidates the processors ban, so rounds verify fewer nodes for the same output; verifying them anyway
@@ -144,10 +157,7 @@ def test_banned_suffix_candidates_are_left_out(monkeypatch):
     assistant = SuffixAssistant(target, total_tokens=6)
     verified = {}
     for setting in ("left out", "verified"):
-        with monkeypatch.context() as patch:
-            if setting == "verified":
-                ignore = SuffixProposer.best_paths
-                patch.setattr(SuffixProposer, "best_paths", lambda self, context, allowed=None: ignore(self, context))
+        with suffix_bans(monkeypatch, setting):
             verified[setting] = 0
             for seed in range(4):
                 ids = repetitive_prompt(seed)
@@ -157,6 +167,49 @@ def test_banned_suffix_candidates_are_left_out(monkeypatch):
                 assert torch.equal(out, ref), f"{setting}, seed {seed}"
                 verified[setting] += sum(assistant.stats.tree_sizes)
     assert verified["left out"] < verified["verified"]
+
+
+def test_batched_banned_suffix_candidates_are_left_out(monkeypatch):
+    """In a left-padded batch each row's suffix candidates that its n-gram ban forbids take no node: no verified
+    suffix node repeats a bigram of its row's prefix (the padding counted, as plain batched `generate` counts it),
+    and the outputs are plain batched `generate`'s; verifying them anyway (negative control) puts such nodes in."""
+    from test_suffix import repetitive_prompt
+
+    from transformers_confu.decoding.batched import RowDrafters
+
+    target = tiny_target()
+    assistant = SuffixAssistant(target)
+    prompts = [repetitive_prompt(seed)[0] for seed in (0, 2, 4)]  # 9, 13 and 14 tokens
+    width = max(p.numel() for p in prompts)
+    ids = torch.stack([torch.nn.functional.pad(p, (width - p.numel(), 0)) for p in prompts])
+    mask = torch.stack([torch.arange(width) >= width - p.numel() for p in prompts]).long()
+    propose, repeated = RowDrafters.propose, {}
+
+    def repeats(ids: list[int]) -> bool:  # the last token repeats a bigram of the ids before it
+        return tuple(ids[-2:]) in set(zip(ids[:-2], ids[1:-1]))
+
+    def spy(self, roots, lengths, priors, contexts, allowed=None):
+        trees = propose(self, roots, lengths, priors, contexts, allowed)
+        for context, tree in zip(contexts, trees):
+            row = next(r for r, p in enumerate(prompts) if context[: p.numel()].tolist() == p.tolist())
+            prefix = [0] * (width - prompts[row].numel()) + context.tolist()
+            for node in (tree.sources >= 2).nonzero()[:, 0].tolist():
+                path = []
+                while node:
+                    path, node = [int(tree.tokens[node])] + path, int(tree.parents[node])
+                repeated[setting] += repeats(prefix + path)
+        return trees
+
+    monkeypatch.setattr(RowDrafters, "propose", spy)
+    for setting in ("left out", "verified"):
+        with suffix_bans(monkeypatch, setting):
+            repeated[setting] = 0
+            options = dict(attention_mask=mask, do_sample=False, pad_token_id=0, max_new_tokens=24,
+                           no_repeat_ngram_size=2)
+            out = target.generate(ids, assistant_model=assistant, tree_total_tokens=6, **options)
+            assert torch.equal(out, target.generate(ids, **options)), setting
+            assert assistant.stats.mode == "eager"
+    assert repeated["left out"] == 0 and repeated["verified"] > 0
 
 
 def test_suffix_assistant_with_processors_matches_plain_generate():

@@ -16,6 +16,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from transformers import Cache, DynamicCache, GenerationConfig, PreTrainedModel, StoppingCriteriaList
 from transformers.cache_utils import StaticLayer
@@ -256,9 +257,12 @@ class RowDrafters:
                 drafter.catch_up(next_ids[row : row + 1], features[row : row + 1], self._at(lengths[row], device),
                                  future, self._at(counts[row], device))
 
-    def propose(self, roots: torch.Tensor, lengths: list[int], priors: list, contexts: list) -> list[DraftTree]:
-        """Row b's tree under `roots[b]` (at position `lengths[b]`); `contexts[b]`: its tokens so far, root last."""
-        return [d.propose(roots[row], self._at(lengths[row], roots.device), priors[row], contexts[row])
+    def propose(self, roots: torch.Tensor, lengths: list[int], priors: list, contexts: list,
+                allowed: list | None = None) -> list[DraftTree]:
+        """Row b's tree under `roots[b]` (at position `lengths[b]`); `contexts[b]`: its tokens so far, root last;
+        `allowed[b]`: which of its suffix candidates may take a node (see `TreeDrafter.propose`; None: all)."""
+        allowed = allowed or [None] * len(self.drafters)
+        return [d.propose(roots[row], self._at(lengths[row], roots.device), priors[row], contexts[row], allowed[row])
                 for row, d in enumerate(self.drafters)]
 
     def select(self, rows: list[int]) -> None:
@@ -307,9 +311,10 @@ class ChainDrafter:
         self.rows.keep(base, torch.arange(size, device=device).expand(rows, size), counts)
         self.hidden = out.gather(1, (count - 1).clamp_min(0)[:, None, None].expand(rows, 1, out.shape[-1]))
 
-    def propose(self, roots: torch.Tensor, lengths: list[int], priors: list, contexts=None) -> list[DraftTree]:
+    def propose(self, roots: torch.Tensor, lengths: list[int], priors: list, contexts=None,
+                allowed=None) -> list[DraftTree]:
         """Draft a chain under each row's root (at position `lengths[b]`); `priors[b]` as `draft_tree`'s prior
-        (`contexts`: unused, chains hold no suffix candidates)."""
+        (`contexts`, `allowed`: unused, chains hold no suffix candidates)."""
         rows, device = roots.numel(), roots.device
         logits = self.draft.logits(self.hidden[:, 0]).float()
         if any(p is not None for p in priors):
@@ -348,6 +353,14 @@ class ChainDrafter:
 
 
 @torch.no_grad()
+def _bans(processing: NodeProcessing, padding: np.ndarray) -> Callable[[np.ndarray, tuple[int, ...]], bool] | None:
+    """A row's `NodeProcessing.allows` for its suffix candidates, whose context leaves out the row's left `padding`
+    (its processors see it, as plain batched `generate`'s do); None where no processor reads the ids."""
+    if not processing.per_prefix:
+        return None
+    return lambda context, path: processing.allows(np.concatenate([padding, context]), path)
+
+
 def batched_generate(
     target: PreTrainedModel,
     drafter: ChainDrafter | RowDrafters,
@@ -409,6 +422,7 @@ def batched_generate(
     accepted = [[int(r)] for r in roots.tolist()]
     picked = [(scores[i : i + 1], logits[i : i + 1],  # each row's accepted tokens' scores, logits, hidden states
                [tuple(states[i : i + 1] for states in verify.hidden)] if keep_hidden else None) for i in range(batch)]
+    bans = [_bans(row, outputs[i][0, : pads[i]].numpy()) for i, row in enumerate(processing)]
     next_ids = feats = counts = None
     while True:
         before = [outputs[row].shape[1] for row in rows]
@@ -438,7 +452,8 @@ def batched_generate(
         t0 = time.perf_counter()
         if next_ids is not None:
             drafter.catch_up(next_ids, feats, lengths, counts, futures)
-        trees = drafter.propose(roots, lengths, priors, [outputs[row][0, pads[row]:].numpy() for row in rows])
+        trees = drafter.propose(roots, lengths, priors, [outputs[row][0, pads[row]:].numpy() for row in rows],
+                                [bans[row] for row in rows])
         cons = None
         if adapter is not None:
             n = len(trees[0])
