@@ -77,6 +77,17 @@ def oracle_batch(target, ids, mask, reference, max_new, stopping=None, **config)
     return out, stats
 
 
+def test_batch_runs_without_autograd():
+    """A batch through the assistant builds no autograd graph, as plain `generate` does not: with a target whose
+    weights require gradients, the returned logits and scores carry none."""
+    target = tiny_target().requires_grad_(True)
+    assistant, (ids, mask) = make_assistant(target), left_padded(7, [8, 5])
+    out = target.generate(ids, attention_mask=mask, assistant_model=assistant, tree_total_tokens=6,
+                          max_new_tokens=8, do_sample=False, pad_token_id=0, return_dict_in_generate=True,
+                          output_logits=True, output_scores=True)
+    assert not any(step.requires_grad for step in out.logits + out.scores)
+
+
 def test_rows_accepting_different_lengths_stay_exact(arch):
     target = tiny_target(arch)
     for seed in range(4):

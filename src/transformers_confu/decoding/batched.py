@@ -352,7 +352,6 @@ class ChainDrafter:
         self.hidden = self.hidden[torch.tensor(rows, device=self.hidden.device)]
 
 
-@torch.no_grad()
 def _bans(processing: NodeProcessing, padding: np.ndarray) -> Callable[[np.ndarray, tuple[int, ...]], bool] | None:
     """A row's `NodeProcessing.allows` for its suffix candidates, whose context leaves out the row's left `padding`
     (its processors see it, as plain batched `generate`'s do); None where no processor reads the ids."""
@@ -361,6 +360,7 @@ def _bans(processing: NodeProcessing, padding: np.ndarray) -> Callable[[np.ndarr
     return lambda context, path: processing.allows(np.concatenate([padding, context]), path)
 
 
+@torch.no_grad()
 def batched_generate(
     target: PreTrainedModel,
     drafter: ChainDrafter | RowDrafters,
