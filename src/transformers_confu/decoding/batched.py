@@ -16,7 +16,6 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 from transformers import Cache, DynamicCache, GenerationConfig, PreTrainedModel, StoppingCriteriaList
 from transformers.cache_utils import StaticLayer
@@ -352,14 +351,6 @@ class ChainDrafter:
         self.hidden = self.hidden[torch.tensor(rows, device=self.hidden.device)]
 
 
-def _bans(processing: NodeProcessing, padding: np.ndarray) -> Callable[[np.ndarray, tuple[int, ...]], bool] | None:
-    """A row's `NodeProcessing.allows` for its suffix candidates, whose context leaves out the row's left `padding`
-    (its processors see it, as plain batched `generate`'s do); None where no processor reads the ids."""
-    if not processing.per_prefix:
-        return None
-    return lambda context, path: processing.allows(np.concatenate([padding, context]), path)
-
-
 @torch.no_grad()
 def batched_generate(
     target: PreTrainedModel,
@@ -422,7 +413,7 @@ def batched_generate(
     accepted = [[int(r)] for r in roots.tolist()]
     picked = [(scores[i : i + 1], logits[i : i + 1],  # each row's accepted tokens' scores, logits, hidden states
                [tuple(states[i : i + 1] for states in verify.hidden)] if keep_hidden else None) for i in range(batch)]
-    bans = [_bans(row, outputs[i][0, : pads[i]].numpy()) for i, row in enumerate(processing)]
+    bans = [row.suffix_check(outputs[i][0, : pads[i]].numpy()) for i, row in enumerate(processing)]  # see `allows`
     next_ids = feats = counts = None
     while True:
         before = [outputs[row].shape[1] for row in rows]

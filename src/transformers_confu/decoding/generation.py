@@ -424,7 +424,7 @@ def speculative_generate(
     # the length as the fixed-shape calls see it: a host int, or in static mode a device scalar (no recompiles)
     at = prompt_len if static is None else torch.tensor(prompt_len, device=input_ids.device)
     future, prior = None, None
-    allowed = processing.allows if processing.per_prefix else None  # suffix candidates the processors ban: left out
+    allowed = processing.suffix_check()  # suffix candidates the processors ban: left out
     while not stopped:
         if compiled:
             torch.compiler.cudagraph_mark_step_begin()

@@ -13,6 +13,7 @@ its (input_ids, scores) row, not on earlier calls.
 from __future__ import annotations
 
 import copy
+import functools
 import math
 from collections.abc import Callable
 
@@ -61,14 +62,23 @@ class NodeProcessing:
         self.token_free = LogitsProcessorList(processors[split:])
         self.sample, self.vocab_size, self.device = sample, vocab_size, device
 
-    def allows(self, context: np.ndarray, path: tuple[int, ...]) -> bool:
+    def allows(self, context: np.ndarray, path: tuple[int, ...], padding: np.ndarray | None = None) -> bool:
         """Whether the processors that read ids (`per_prefix`) leave the last token of `path` possible after
-        `context` (root last) and the path's earlier tokens: a row of zeros processed there is not -inf at it. Bans
-        that depend on the ids alone (`no_repeat_ngram_size`, `bad_words_ids`, `min_new_tokens`, forced tokens,
-        `prefix_allowed_tokens_fn`) are found; a token it rejects is never accepted, so a tree need not verify it."""
-        ids = torch.as_tensor(np.concatenate([context, np.asarray(path[:-1], dtype=context.dtype)]), device=self.device)
+        `context` (root last; after a batch row's left `padding`, which its processors see) and the path's earlier
+        tokens: a row of zeros processed there is not -inf at it. Bans that depend on the ids alone
+        (`no_repeat_ngram_size`, `bad_words_ids`, `min_new_tokens`, forced tokens, `prefix_allowed_tokens_fn`) are
+        found; a token it rejects is never accepted, so a tree need not verify it."""
+        parts = [context, np.asarray(path[:-1], dtype=context.dtype)]
+        ids = torch.as_tensor(np.concatenate(parts if padding is None else [padding, *parts]), device=self.device)
         scores = self.per_prefix(ids[None], torch.zeros(1, self.vocab_size, device=self.device))
         return bool(scores[0, path[-1]] > -math.inf)
+
+    def suffix_check(self, padding: np.ndarray | None = None) -> Callable[[np.ndarray, tuple[int, ...]], bool] | None:
+        """`allows` as the suffix proposer takes it (`SuffixProposer.best_paths(allowed=)`), for a batch row with
+        its left `padding`; None where no processor reads the ids (nothing to check)."""
+        if not self.per_prefix:
+            return None
+        return self.allows if padding is None else functools.partial(self.allows, padding=padding)
 
     def scores(self, logits: torch.Tensor, context: torch.LongTensor, tree: DraftTree | None = None) -> torch.Tensor:
         """(N, V) logits at the nodes of `tree` (or (1, V) at the end of `context` alone) -> the scores `generate`
